@@ -1,0 +1,275 @@
+"""Agents' KV caches in the block pool: token-exact prefix reuse, sharing, LRU eviction.
+
+Runs on the engine thread only. An agent's cache is its token ids plus pool blocks: full blocks
+are hashed (parent hash + tokens) and shared by every agent with the same prefix; the last,
+partial block is private. A block's payload holds, for each full-attention layer, that block's
+keys and values. Sliding-window layers cannot be cut at an arbitrary token, so their state is
+kept as a snapshot taken where the agent's tokens end and reused only by a prompt that extends
+all of those tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+from loguru import logger
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from engine.block_pool import BlockPool, hash_block_tokens
+from engine.cache_spec import ModelCacheSpec
+
+LayerKV = tuple[mx.array, mx.array]
+
+
+@dataclass(slots=True)
+class CacheSnapshot:
+    """An agent's whole cache outside the pool: what persistence writes and reads."""
+
+    agent_id: str
+    token_ids: list[int]
+    full_layers: list[LayerKV]
+    sliding_layers: list[tuple[Any, ...]]
+
+
+@dataclass(slots=True)
+class AgentCache:
+    agent_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    sliding_states: list[tuple[Any, ...]]
+    last_used: float = field(default_factory=time.monotonic)
+    num_running: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class PreparedPrompt:
+    agent_id: str
+    caches: list[Any]
+    num_cached_tokens: int
+    tier: str
+    divergence: int | None
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class AgentCacheStore:
+    def __init__(self, spec: ModelCacheSpec, pool: BlockPool, new_caches: Callable[[], list[Any]]) -> None:
+        self.spec = spec
+        self.pool = pool
+        self._new_caches = new_caches
+        self.agents: dict[str, AgentCache] = {}
+        self._anonymous_ids = itertools.count()
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(agent.num_tokens for agent in self.agents.values())
+
+    def resolve_agent_id(self, agent_id: str | None, prompt: list[int]) -> str:
+        """An explicit id wins; otherwise the cached agent whose tokens the prompt extends."""
+        if agent_id is not None:
+            return agent_id
+        best, best_len = None, 0
+        for agent in self.agents.values():
+            if agent.agent_id.startswith("anon-") and agent.num_running == 0:
+                shared = common_prefix_length(agent.token_ids, prompt)
+                if shared == agent.num_tokens and shared > best_len:
+                    best, best_len = agent.agent_id, shared
+        return best or f"anon-{next(self._anonymous_ids)}"
+
+    def prepare(self, agent_id: str, prompt: list[int]) -> PreparedPrompt:
+        """Build per-layer caches holding the longest reusable prefix of `prompt`."""
+        agent = self.agents.get(agent_id)
+        if agent is None:
+            return self._prepare_shared_prefix(agent_id, prompt)
+        agent.last_used = time.monotonic()
+        shared = common_prefix_length(agent.token_ids, prompt)
+        # At least one prompt token must be prefilled to produce the next token's logits.
+        num_reused = min(shared, len(prompt) - 1)
+        divergence = shared if shared < agent.num_tokens else None
+        if divergence is not None:
+            logger.info(
+                "agent {} prompt diverges from its cache at token {} (block {}) of {}",
+                agent_id,
+                divergence,
+                divergence // self.spec.block_size,
+                agent.num_tokens,
+            )
+        if self.spec.has_sliding_layers and num_reused < agent.num_tokens:
+            trim = agent.num_tokens - num_reused
+            if not all(_rotating_can_trim(state, trim) for state in agent.sliding_states):
+                logger.info(
+                    "agent {}: full prefill; sliding-window layers cannot drop the last {} cached tokens",
+                    agent_id,
+                    trim,
+                )
+                return PreparedPrompt(agent_id, self._new_caches(), 0, "none", divergence)
+        caches = self._build_caches(agent, num_reused)
+        return PreparedPrompt(agent_id, caches, num_reused, "memory" if num_reused else "none", divergence)
+
+    def _prepare_shared_prefix(self, agent_id: str, prompt: list[int]) -> PreparedPrompt:
+        """A new agent still reuses full blocks another agent published (full-attention models)."""
+        empty = PreparedPrompt(agent_id, self._new_caches(), 0, "none", None)
+        if self.spec.has_sliding_layers:
+            return empty
+        size = self.spec.block_size
+        block_ids: list[int] = []
+        parent = None
+        for start in range(0, len(prompt) - size, size):
+            tokens = prompt[start : start + size]
+            parent = hash_block_tokens(parent, tokens)
+            block_id = self.pool.get_cached_block(parent, tokens)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        if not block_ids:
+            return empty
+        num_reused = len(block_ids) * size
+        probe = AgentCache(agent_id, prompt[:num_reused], block_ids, [])
+        return PreparedPrompt(agent_id, self._build_caches(probe, num_reused), num_reused, "memory", None)
+
+    def _build_caches(self, agent: AgentCache, num_tokens: int) -> list[Any]:
+        caches = self._new_caches()
+        if num_tokens == 0:
+            return caches
+        num_blocks = self.spec.num_blocks_for(num_tokens)
+        payloads = [self.pool.payload(block_id) for block_id in agent.block_ids[:num_blocks]]
+        full_ids = self.spec.full_layer_ids
+        for slot, layer in enumerate(full_ids):
+            keys = mx.concatenate([p[slot][0] for p in payloads], axis=2)[..., :num_tokens, :]
+            values = mx.concatenate([p[slot][1] for p in payloads], axis=2)[..., :num_tokens, :]
+            cache = KVCache()
+            cache.state = (keys, values, num_tokens)
+            caches[layer] = cache
+        for slot, layer in enumerate(self.spec.sliding_layer_ids):
+            cache = RotatingKVCache(max_size=1)
+            cache.state = agent.sliding_states[slot]
+            cache.trim(agent.num_tokens - num_tokens)
+            caches[layer] = cache
+        return caches
+
+    def store(self, agent_id: str, token_ids: list[int], layer_caches: list[Any], reserved: list[int]) -> list[int]:
+        """Keep a finished turn's cache; returns the reserved blocks it did not use."""
+        assert len(layer_caches) == self.spec.num_layers, "cache layers do not match the spec: engine bug"
+        size = self.spec.block_size
+        full_kv = [_kv_of(layer_caches[layer], len(token_ids)) for layer in self.spec.full_layer_ids]
+        spare = list(reserved)
+        block_ids: list[int] = []
+        parent = None
+        for start in range(0, len(token_ids), size):
+            tokens = token_ids[start : start + size]
+            payload = tuple((k[..., start : start + len(tokens), :], v[..., start : start + len(tokens), :]) for k, v in full_kv)
+            if len(tokens) == size:
+                parent = hash_block_tokens(parent, tokens)
+                existing = self.pool.get_cached_block(parent, tokens)
+                if existing is not None:
+                    self.pool.touch([existing])
+                    block_ids.append(existing)
+                    continue
+            block_id = spare.pop() if spare else self._allocate_one()
+            payload = tuple((mx.contiguous(k), mx.contiguous(v)) for k, v in payload)
+            if len(tokens) == size:
+                assert parent is not None
+                self.pool.cache_full_block(block_id, parent, tokens, payload)
+            else:
+                self.pool.set_payload(block_id, payload)
+            block_ids.append(block_id)
+        mx.eval([self.pool.payload(b) for b in block_ids])
+        sliding = [layer_caches[layer].state for layer in self.spec.sliding_layer_ids]
+        previous = self.agents.get(agent_id)
+        num_running = previous.num_running if previous else 0
+        self.agents[agent_id] = AgentCache(agent_id, list(token_ids), block_ids, sliding, num_running=num_running)
+        if previous is not None:
+            self.pool.free(previous.block_ids)
+        return spare
+
+    def _allocate_one(self) -> int:
+        if not self.pool.can_allocate(1):
+            self.evict_until(1)
+        return self.pool.allocate(1)[0]
+
+    def pin(self, agent_id: str) -> None:
+        if agent_id in self.agents:
+            self.agents[agent_id].num_running += 1
+
+    def unpin(self, agent_id: str) -> None:
+        if agent_id in self.agents:
+            self.agents[agent_id].num_running = max(0, self.agents[agent_id].num_running - 1)
+
+    def evictable(self) -> list[AgentCache]:
+        return sorted((a for a in self.agents.values() if a.num_running == 0), key=lambda a: a.last_used)
+
+    def evict_until(self, num_free_blocks: int) -> list[CacheSnapshot]:
+        """Evict least-recently-used idle agents until `num_free_blocks` are free."""
+        evicted = []
+        for agent in self.evictable():
+            if self.pool.can_allocate(num_free_blocks):
+                break
+            evicted.append(self.evict(agent.agent_id))
+        return evicted
+
+    def evict(self, agent_id: str) -> CacheSnapshot:
+        snapshot = self.snapshot(agent_id)
+        agent = self.agents.pop(agent_id)
+        self.pool.free(agent.block_ids)
+        return snapshot
+
+    def drop(self, agent_id: str) -> None:
+        agent = self.agents.pop(agent_id, None)
+        if agent is not None:
+            self.pool.free(agent.block_ids)
+
+    def snapshot(self, agent_id: str) -> CacheSnapshot:
+        agent = self.agents[agent_id]
+        payloads = [self.pool.payload(block_id) for block_id in agent.block_ids]
+        full_layers = []
+        for slot in range(len(self.spec.full_layer_ids)):
+            keys = mx.concatenate([p[slot][0] for p in payloads], axis=2) if payloads else None
+            values = mx.concatenate([p[slot][1] for p in payloads], axis=2) if payloads else None
+            full_layers.append((keys, values))
+        return CacheSnapshot(agent_id, list(agent.token_ids), full_layers, list(agent.sliding_states))
+
+    def restore(self, snapshot: CacheSnapshot) -> None:
+        """Put a snapshot (loaded from disk) back into the pool as this agent's cache."""
+        self.drop(snapshot.agent_id)
+        caches = self._new_caches()
+        num_tokens = len(snapshot.token_ids)
+        for slot, layer in enumerate(self.spec.full_layer_ids):
+            keys, values = snapshot.full_layers[slot]
+            cache = KVCache()
+            cache.state = (keys, values, num_tokens)
+            caches[layer] = cache
+        for slot, layer in enumerate(self.spec.sliding_layer_ids):
+            cache = RotatingKVCache(max_size=1)
+            cache.state = snapshot.sliding_layers[slot]
+            caches[layer] = cache
+        needed = self.spec.num_blocks_for(num_tokens)
+        if not self.pool.can_allocate(needed):
+            self.evict_until(needed)
+        self.store(snapshot.agent_id, snapshot.token_ids, caches, [])
+
+
+def _kv_of(cache: Any, num_tokens: int) -> LayerKV:
+    keys, values = cache.state[0], cache.state[1]
+    assert keys.shape[2] >= num_tokens, "cache holds fewer tokens than its token list: engine bug"
+    return keys[..., :num_tokens, :], values[..., :num_tokens, :]
+
+
+def _rotating_can_trim(state: tuple[Any, ...], num_tokens: int) -> bool:
+    cache = RotatingKVCache(max_size=1)
+    cache.state = state
+    return num_tokens == 0 or cache.is_trimmable()

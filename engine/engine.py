@@ -1,0 +1,483 @@
+"""The engine: one thread owns the model, the BatchGenerator, the MLX stream and the block pool.
+
+The asyncio side talks to it only through `submit`, `cancel` and `call`. The thread blocks on its
+inbox while idle; while work is in flight it runs ticks of at least `tick_s`: admit what fits,
+step the batch once, post every request's new events with one `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import mlx.core as mx
+from loguru import logger
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.agent_cache import AgentCacheStore, CacheSnapshot
+from engine.block_pool import BlockPool
+from engine.loading import LoadedModel, load_model
+from engine.messages import (
+    Call,
+    Cancel,
+    Command,
+    Event,
+    FinishReason,
+    Finished,
+    GenerationRequest,
+    PromptProgress,
+    PromptStarted,
+    Shutdown,
+    Submit,
+    TokenDelta,
+)
+from engine.sampling import SamplingParams, make_sampler
+from engine.text_stream import TextStream
+
+T = TypeVar("T")
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+class PromptTooLongError(ValueError):
+    def __init__(self, num_tokens: int, limit: int) -> None:
+        super().__init__(f"prompt has {num_tokens} tokens; the model's context holds {limit} (at least 1 must be left to generate)")
+        self.num_tokens = num_tokens
+        self.limit = limit
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "default"
+    block_size: int = 256
+    cache_budget_mb: int = 4096
+    max_batch_size: int = 16
+    prefill_batch_size: int = 8
+    prefill_step_size: int | None = None
+    tick_s: float = 0.010
+    default_dtype: str = "float32"
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    pool_used_bytes: int = 0
+    pool_budget_bytes: int = 0
+    num_agents_cached: int = 0
+
+
+@dataclass(slots=True)
+class _Running:
+    request: GenerationRequest
+    events: asyncio.Queue[Event]
+    agent_id: str
+    text: TextStream
+    reserved_block_ids: list[int]
+    num_cached_tokens: int
+    num_generated: int = 0
+    outbox: list[Event] = field(default_factory=list)
+
+
+class RequestStream:
+    """The asyncio side of one request: iterate its events; `cancel` frees its batch slot."""
+
+    def __init__(self, engine: Engine, request: GenerationRequest, events: asyncio.Queue[Event]) -> None:
+        self.engine = engine
+        self.request = request
+        self._events = events
+        self.finished: Finished | None = None
+
+    def cancel(self) -> None:
+        if self.finished is None:
+            self.engine.cancel(self.request.request_id)
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        try:
+            while self.finished is None:
+                event = await self._events.get()
+                if isinstance(event, BaseException):
+                    self.finished = Finished(FinishReason.CANCELLED, None, 0, 0, 0)
+                    raise event
+                if isinstance(event, Finished):
+                    self.finished = event
+                yield event
+        finally:
+            self.cancel()
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.loaded: LoadedModel | None = None
+        self.stats = EngineStats()
+        self.on_evict: Callable[[list[CacheSnapshot]], None] | None = None
+        # Engine-thread state below.
+        self._waiting: deque[Submit] = deque()
+        self._running: dict[int, _Running] = {}
+        self._cancelled: set[str] = set()
+        self._generator: BatchGenerator | None = None
+        self._pool: BlockPool | None = None
+        self._store: AgentCacheStore | None = None
+        self._stream: Any = None
+        self._pending: list[tuple[asyncio.Queue[Event], list[Event]]] = []
+
+    @property
+    def model(self) -> LoadedModel:
+        if self.loaded is None:
+            raise EngineError("the engine has no model loaded")
+        return self.loaded
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def start(self) -> None:
+        """Start the engine thread and wait until the model is loaded (or raise its load error)."""
+        self._loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="semantic-engine", daemon=True)
+        self._thread.start()
+        await ready
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._inbox.put(Shutdown())
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a request; raises PromptTooLongError at once if it cannot fit the context."""
+        loaded = self.model
+        limit = loaded.context_length
+        num_prompt = len(request.prompt_tokens)
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt >= limit:
+            raise PromptTooLongError(num_prompt, limit)
+        if num_prompt + request.sampling.max_tokens > limit:
+            sampling = request.sampling
+            request.sampling = SamplingParams(
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                max_tokens=limit - num_prompt,
+                stop=sampling.stop,
+                seed=sampling.seed,
+            )
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        self._inbox.put(Submit(request, events))
+        return RequestStream(self, request, events)
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(Cancel(request_id))
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run `fn(engine)` on the engine thread between steps (for state only the thread may touch)."""
+        assert self._loop is not None, "engine not started"
+        reply: asyncio.Future[Any] = self._loop.create_future()
+        self._inbox.put(Call(fn, reply, self._loop))
+        return await reply  # type: ignore[no-any-return]
+
+    # ---- engine thread ----
+
+    @property
+    def store(self) -> AgentCacheStore:
+        assert self._store is not None, "store used before the model loaded: engine bug"
+        return self._store
+
+    def _run(self, ready: asyncio.Future[None]) -> None:
+        assert self._loop is not None
+        try:
+            self._stream = mx.new_stream(mx.default_device())
+            with mx.stream(self._stream):
+                self._load()
+        except BaseException as error:
+            logger.exception("model load failed")
+            self._loop.call_soon_threadsafe(_set_exception, ready, error)
+            return
+        self._loop.call_soon_threadsafe(_set_result, ready, None)
+        with mx.stream(self._stream):
+            self._serve()
+        self._close()
+
+    def _load(self) -> None:
+        config = self.config
+        self.loaded = load_model(config.model, config.block_size, config.default_dtype)
+        spec = self.loaded.spec
+        self._pool = BlockPool.from_budget(config.cache_budget_mb * 2**20, spec.bytes_per_block, spec.block_size)
+        model = self.loaded.model
+        self._store = AgentCacheStore(spec, self._pool, lambda: make_prompt_cache(model))
+        self._generator = self._new_generator()
+        self.stats.pool_budget_bytes = self._pool.budget_bytes
+        logger.info(
+            "loaded {} ({} layers, {} KV heads, head dim {}, {}); pool {} blocks of {} tokens = {:.0f} MiB",
+            self.loaded.name,
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.dtype,
+            self._pool.num_blocks,
+            spec.block_size,
+            self._pool.budget_bytes / 2**20,
+        )
+
+    def _new_generator(self) -> BatchGenerator:
+        loaded = self.model
+        step = self.config.prefill_step_size or (512 if mx.default_device() == mx.cpu else 2048)
+        return BatchGenerator(
+            loaded.model,
+            stop_tokens=[[t] for t in loaded.eos_token_ids],
+            completion_batch_size=self.config.max_batch_size,
+            prefill_batch_size=min(self.config.prefill_batch_size, self.config.max_batch_size),
+            prefill_step_size=step,
+            stream=self._stream,
+        )
+
+    def _close(self) -> None:
+        for submit in self._waiting:
+            self._post(submit.events, EngineError("the engine stopped before this request ran"))
+        for uid in list(self._running):
+            self._finish(uid, FinishReason.CANCELLED, from_generator=False)
+        self._flush()
+        if self._generator is not None:
+            self._generator.close()
+
+    def _serve(self) -> None:
+        stopping = False
+        while not (stopping and not self._running and not self._waiting):
+            tick_start = time.perf_counter()
+            stopping |= self._handle_commands(block=not (self._running or self._waiting))
+            self._admit()
+            if self._running:
+                self._step()
+            self._flush()
+            self._update_stats()
+            if self._running or self._waiting:
+                remaining = self.config.tick_s - (time.perf_counter() - tick_start)
+                if remaining > 0:
+                    stopping |= self._handle_commands(block=True, timeout=remaining)
+
+    def _handle_commands(self, block: bool, timeout: float | None = None) -> bool:
+        stopping = False
+        try:
+            command: Command | None = self._inbox.get(block=block, timeout=timeout)
+        except queue.Empty:
+            return False
+        while command is not None:
+            match command:
+                case Submit():
+                    self._waiting.append(command)
+                case Cancel(request_id=request_id):
+                    self._cancel(request_id)
+                case Call(fn=fn, reply=reply, loop=loop):
+                    try:
+                        result = fn(self)  # type: ignore[operator]
+                    except Exception as error:
+                        loop.call_soon_threadsafe(_set_exception, reply, error)
+                    else:
+                        loop.call_soon_threadsafe(_set_result, reply, result)
+                case Shutdown():
+                    stopping = True
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                command = None
+        return stopping
+
+    def _cancel(self, request_id: str) -> None:
+        for submit in self._waiting:
+            if submit.request.request_id == request_id:
+                self._waiting.remove(submit)
+                self._post(submit.events, Finished(FinishReason.CANCELLED, None, len(submit.request.prompt_tokens), 0, 0))
+                return
+        for uid, running in self._running.items():
+            if running.request.request_id == request_id:
+                assert self._generator is not None
+                self._generator.remove([uid])
+                self._finish(uid, FinishReason.CANCELLED, from_generator=False)
+                return
+
+    def _admit(self) -> None:
+        assert self._pool is not None and self._generator is not None
+        spec = self.model.spec
+        while self._waiting and len(self._running) < self.config.max_batch_size:
+            submit = self._waiting[0]
+            request = submit.request
+            needed = spec.num_blocks_for(len(request.prompt_tokens) + request.sampling.max_tokens)
+            if needed > self._pool.num_blocks:
+                self._waiting.popleft()
+                self._post(
+                    submit.events,
+                    ValueError(
+                        f"request needs {needed} KV blocks ({len(request.prompt_tokens)} prompt + "
+                        f"{request.sampling.max_tokens} new tokens) but the cache budget holds {self._pool.num_blocks}"
+                    ),
+                )
+                continue
+            if not self._pool.can_allocate(needed):
+                self._evict(needed)
+                if not self._pool.can_allocate(needed):
+                    return
+            self._waiting.popleft()
+            try:
+                self._insert(submit, self._pool.allocate(needed))
+            except Exception as error:
+                logger.exception("request {} failed at admission", request.request_id)
+                self._post(submit.events, error)
+
+    def _evict(self, num_blocks: int) -> None:
+        evicted = self.store.evict_until(num_blocks)
+        if evicted:
+            logger.info("evicted {} agent caches to free {} blocks", len(evicted), num_blocks)
+            if self.on_evict is not None and self._loop is not None:
+                self._loop.call_soon_threadsafe(self.on_evict, evicted)
+
+    def _insert(self, submit: Submit, reserved: list[int]) -> None:
+        assert self._generator is not None and self._pool is not None
+        request = submit.request
+        loaded = self.model
+        store = self.store
+        try:
+            agent_id = store.resolve_agent_id(request.agent_id, request.prompt_tokens)
+            prepared = store.prepare(agent_id, request.prompt_tokens)
+            sampler = make_sampler(request.sampling, loaded.vocab_size)
+            (uid,) = self._generator.insert(
+                [request.prompt_tokens[prepared.num_cached_tokens :]],
+                max_tokens=[request.sampling.max_tokens],
+                caches=[prepared.caches],
+                all_tokens=[list(request.prompt_tokens[: prepared.num_cached_tokens])],
+                samplers=[sampler],
+            )
+        except BaseException:
+            self._pool.free(reserved)
+            raise
+        store.pin(agent_id)
+        text = TextStream(loaded.tokenizer.detokenizer, request.sampling.stop, loaded.eos_token_ids)
+        self._running[uid] = _Running(request, submit.events, agent_id, text, reserved, prepared.num_cached_tokens)
+        self.stats.num_prompt_tokens += len(request.prompt_tokens)
+        self.stats.num_cached_tokens += prepared.num_cached_tokens
+        self._post(submit.events, PromptStarted(len(request.prompt_tokens), prepared.num_cached_tokens, prepared.tier))
+
+    def _step(self) -> None:
+        assert self._generator is not None
+        try:
+            prompt_responses, generation_responses = self._generator.next()
+        except Exception as error:
+            logger.exception("batch step failed; failing {} requests", len(self._running))
+            for uid in list(self._running):
+                running = self._running.pop(uid)
+                self._release(running)
+                self._post(running.events, EngineError(f"generation failed: {error}"))
+            self._generator = self._new_generator()
+            return
+        self.stats.num_steps += 1
+        for progress in prompt_responses:
+            running = self._running.get(progress.uid)
+            if running is not None and not progress.end_of_prompt:
+                done, total = progress.progress
+                running.outbox.append(PromptProgress(done, total))
+        for response in generation_responses:
+            running = self._running.get(response.uid)
+            if running is None:
+                continue
+            running.num_generated += 1
+            self.stats.num_generated_tokens += 1
+            text = running.text.add_token(response.token)
+            running.outbox.append(TokenDelta([response.token], text))
+            if response.finish_reason is not None:
+                reason = FinishReason.LENGTH if response.finish_reason == "length" else FinishReason.STOP
+                self._finish(response.uid, reason, from_generator=True, cache=(response.prompt_cache, response.all_tokens))
+            elif running.text.stop_hit is not None:
+                removed = self._generator.remove([response.uid], return_prompt_caches=True)
+                self._finish(response.uid, FinishReason.STOP, from_generator=True, cache=removed.get(response.uid))
+
+    def _finish(
+        self, uid: int, reason: FinishReason, from_generator: bool, cache: tuple[Any, Any] | None = None
+    ) -> None:
+        running = self._running.pop(uid)
+        tail = running.text.finish() if reason is not FinishReason.CANCELLED else ""
+        if tail:
+            running.outbox.append(TokenDelta([], tail))
+        spare = running.reserved_block_ids
+        if from_generator and cache is not None and cache[0] is not None:
+            layer_caches, tokens = cache
+            try:
+                spare = self.store.store(running.agent_id, list(tokens), layer_caches, spare)
+            except Exception:
+                logger.exception("could not keep the cache of agent {}", running.agent_id)
+        running.reserved_block_ids = spare
+        self._release(running)
+        running.outbox.append(
+            Finished(
+                reason,
+                running.text.stop_hit,
+                len(running.request.prompt_tokens),
+                running.num_cached_tokens,
+                running.num_generated,
+            )
+        )
+        self._post_many(running.events, running.outbox)
+        running.outbox = []
+
+    def _release(self, running: _Running) -> None:
+        assert self._pool is not None
+        self._pool.free(running.reserved_block_ids)
+        running.reserved_block_ids = []
+        self.store.unpin(running.agent_id)
+
+    def _post(self, events: asyncio.Queue[Event], event: Event) -> None:
+        self._pending.append((events, [event]))
+
+    def _post_many(self, events: asyncio.Queue[Event], batch: list[Event]) -> None:
+        if batch:
+            self._pending.append((events, list(batch)))
+
+    def _flush(self) -> None:
+        for running in self._running.values():
+            if running.outbox:
+                self._pending.append((running.events, running.outbox))
+                running.outbox = []
+        if self._pending and self._loop is not None:
+            pending, self._pending = self._pending, []
+            self._loop.call_soon_threadsafe(_deliver, pending)
+
+    def _update_stats(self) -> None:
+        assert self._pool is not None
+        self.stats.num_running = len(self._running)
+        self.stats.num_waiting = len(self._waiting)
+        self.stats.pool_used_bytes = self._pool.used_bytes
+        self.stats.num_agents_cached = len(self.store.agents)
+
+
+def _deliver(pending: list[tuple[asyncio.Queue[Event], list[Event]]]) -> None:
+    for events, batch in pending:
+        for event in batch:
+            events.put_nowait(event)
+
+
+def _set_result(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

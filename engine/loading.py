@@ -1,0 +1,105 @@
+"""Resolve `--model` to weights and load them: the default model, a local directory or a hub id."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.utils import load as mlx_lm_load
+
+from engine.cache_spec import ModelCacheSpec
+from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+
+DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}")
+DEFAULT_CONTEXT_LENGTH = 8192
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    source: str
+    model: Any
+    tokenizer: Any
+    spec: ModelCacheSpec
+    fingerprint: str
+    context_length: int
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.tokenizer.eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.vocab_size)
+
+
+def is_default_model(source: str) -> bool:
+    return source in DEFAULT_MODEL_ALIASES
+
+
+def resolve_model_path(source: str, default_dtype: str = "float32") -> tuple[str, str]:
+    """Return (served name, path or hub id) for a `--model` value."""
+    if is_default_model(source):
+        return DEFAULT_MODEL_NAME, str(ensure_default_model(default_dtype))
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path.name, str(path)
+    return source, source
+
+
+def fingerprint_model(model_dir: Path) -> str:
+    """Identify weights and config without reading every byte: config plus each file's header and ends."""
+    digest = hashlib.sha256()
+    config = model_dir / "config.json"
+    if config.exists():
+        digest.update(config.read_bytes())
+    for weights in sorted(model_dir.glob("*.safetensors")):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with open(weights, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            digest.update(f.read(min(header_len, 1 << 24)))
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:32]
+
+
+def context_length_of(model_dir: Path, tokenizer: Any) -> int:
+    config: dict[str, Any] = {}
+    if (model_dir / "config.json").exists():
+        config = json.loads((model_dir / "config.json").read_text())
+    for source in (config, config.get("text_config", {})):
+        for key in ("max_position_embeddings", "max_sequence_length", "n_positions"):
+            if isinstance(source.get(key), int):
+                return int(source[key])
+    limit = getattr(tokenizer, "model_max_length", None)
+    return int(limit) if isinstance(limit, int) and limit < 10**7 else DEFAULT_CONTEXT_LENGTH
+
+
+def load_model(source: str, block_size: int = 256, default_dtype: str = "float32") -> LoadedModel:
+    """Load a model with mlx-lm's normal path; call it on the thread that will run the model."""
+    name, path = resolve_model_path(source, default_dtype)
+    model, tokenizer = mlx_lm_load(path)  # type: ignore[misc]
+    model_dir = Path(path) if Path(path).is_dir() else _hub_snapshot_dir(path)
+    mx.eval(model.parameters())
+    return LoadedModel(
+        name=name,
+        source=source,
+        model=model,
+        tokenizer=tokenizer,
+        spec=ModelCacheSpec.from_model(model, block_size),
+        fingerprint=fingerprint_model(model_dir),
+        context_length=context_length_of(model_dir, tokenizer),
+    )
+
+
+def _hub_snapshot_dir(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id, local_files_only=True))

@@ -1,0 +1,84 @@
+"""What crosses the engine thread's boundary: requests in, per-request events out."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.sampling import SamplingParams
+
+
+class FinishReason(Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_tokens: list[int]
+    sampling: SamplingParams
+    agent_id: str | None = None
+
+
+@dataclass(slots=True)
+class PromptStarted:
+    """Sent when the request joins the batch: how much of the prompt came from cache."""
+
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    cache_tier: str
+
+
+@dataclass(slots=True)
+class PromptProgress:
+    num_processed: int
+    num_total: int
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(slots=True)
+class Finished:
+    reason: FinishReason
+    stop_sequence: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_generated_tokens: int
+
+
+Event = PromptStarted | PromptProgress | TokenDelta | Finished | BaseException
+
+
+@dataclass(slots=True)
+class Submit:
+    request: GenerationRequest
+    events: asyncio.Queue[Event]
+
+
+@dataclass(slots=True)
+class Cancel:
+    request_id: str
+
+
+@dataclass(slots=True)
+class Call:
+    """Run `fn` on the engine thread between steps and post its result to `reply`."""
+
+    fn: object
+    reply: asyncio.Future[object]
+    loop: asyncio.AbstractEventLoop = field(repr=False)
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+Command = Submit | Cancel | Call | Shutdown

@@ -1,0 +1,56 @@
+"""Turn a request's tokens into text deltas, and stop at stop strings without leaking them."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+
+class TextStream:
+    def __init__(self, detokenizer: Any, stop: tuple[str, ...], eos_token_ids: Collection[int]) -> None:
+        self._detokenizer = detokenizer
+        self._stop = stop
+        self._eos_token_ids = eos_token_ids
+        self._pending = ""
+        self.stop_hit: str | None = None
+
+    def add_token(self, token: int) -> str:
+        """Feed one generated token; return the text that is now safe to show."""
+        if self.stop_hit is not None or token in self._eos_token_ids:
+            return ""
+        self._detokenizer.add_token(token)
+        self._pending += self._detokenizer.last_segment
+        return self._release()
+
+    def finish(self) -> str:
+        """Flush what is left once generation ends."""
+        if self.stop_hit is not None:
+            return ""
+        self._detokenizer.finalize()
+        self._pending += self._detokenizer.last_segment
+        text = self._release()
+        if self.stop_hit is None:
+            text, self._pending = text + self._pending, ""
+        return text
+
+    def _release(self) -> str:
+        if not self._stop:
+            text, self._pending = self._pending, ""
+            return text
+        hits = [(self._pending.find(s), s) for s in self._stop if s in self._pending]
+        if hits:
+            index, self.stop_hit = min(hits)
+            text, self._pending = self._pending[:index], ""
+            return text
+        hold = max((_overlap(self._pending, s) for s in self._stop), default=0)
+        cut = len(self._pending) - hold
+        text, self._pending = self._pending[:cut], self._pending[cut:]
+        return text
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of `text` that begins `stop`."""
+    for size in range(min(len(text), len(stop) - 1), 0, -1):
+        if stop.startswith(text[-size:]):
+            return size
+    return 0

@@ -1,0 +1,82 @@
+"""Start processes with a fast BLAS on Linux.
+
+The Linux mlx-cpu wheel multiplies matrices with the reference BLAS, which makes prefill ~25x
+slower. We preload a runtime-dispatching OpenBLAS (the `ngsolve-openblas` wheel) so MLX's
+`cblas_*` calls resolve to it. `LD_PRELOAD` only takes effect at process start, so the CLI
+re-executes itself and `python -m semantic.launch CMD...` wraps any other command.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+_DONE_MARKER = "SEMANTIC_FAST_BLAS"
+
+
+def _package_dir(name: str) -> Path | None:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _gfortran_dirs(cache_dir: Path) -> list[str]:
+    import ctypes.util
+
+    if ctypes.util.find_library("gfortran"):
+        return []
+    # The mlx-cpu wheel bundles libgfortran under a mangled name; OpenBLAS asks for libgfortran.so.5.
+    mlx_dir = _package_dir("mlx")
+    if mlx_dir is None:
+        return []
+    bundled_dir = mlx_dir.parent / "mlx_cpu.libs"
+    candidates = sorted(bundled_dir.glob("libgfortran-*.so.5*"))
+    if not candidates:
+        return []
+    shim_dir = cache_dir / "blas-shim"
+    shim_dir.mkdir(parents=True, exist_ok=True)
+    link = shim_dir / "libgfortran.so.5"
+    if not link.exists() or link.resolve() != candidates[0].resolve():
+        tmp = shim_dir / f".libgfortran.so.5.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(candidates[0])
+        os.replace(tmp, link)
+    return [str(shim_dir), str(bundled_dir)]
+
+
+def fast_blas_env(environ: dict[str, str] | None = None) -> dict[str, str] | None:
+    """The environment that preloads OpenBLAS, or None where it is not needed or not available."""
+    env = dict(os.environ if environ is None else environ)
+    if not sys.platform.startswith("linux") or env.get(_DONE_MARKER) or env.get("SEMANTIC_NO_FAST_BLAS"):
+        return None
+    openblas_dir = _package_dir("ngsolve_openblas")
+    libs = sorted(openblas_dir.glob("libopenblas*.so*")) if openblas_dir else []
+    if not libs:
+        return None
+    from engine.default_model import user_cache_dir
+
+    preload = [str(libs[0])] + [p for p in env.get("LD_PRELOAD", "").split(":") if p]
+    library_path = _gfortran_dirs(user_cache_dir()) + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
+    env.update(LD_PRELOAD=":".join(preload), LD_LIBRARY_PATH=":".join(library_path), **{_DONE_MARKER: "1"})
+    return env
+
+
+def reexec_with_fast_blas() -> None:
+    """Replace this process with itself under OpenBLAS when that helps; return otherwise."""
+    env = fast_blas_env()
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python -m semantic.launch COMMAND [ARGS...]")
+    env = fast_blas_env() or dict(os.environ)
+    os.execvpe(sys.argv[1], sys.argv[1:], env)
+
+
+if __name__ == "__main__":
+    main()
