@@ -73,6 +73,8 @@ class AgentCacheStore:
         self.pool = pool
         self._new_caches = new_caches
         self.agents: dict[str, AgentCache] = {}
+        # Evicted caches wait here until the engine hands them to persistence.
+        self.evicted: list[CacheSnapshot] = []
         self._anonymous_ids = itertools.count()
 
     @property
@@ -226,6 +228,7 @@ class AgentCacheStore:
         snapshot = self.snapshot(agent_id)
         agent = self.agents.pop(agent_id)
         self.pool.free(agent.block_ids)
+        self.evicted.append(snapshot)
         return snapshot
 
     def drop(self, agent_id: str) -> None:

@@ -29,6 +29,7 @@ from engine.messages import (
     Cancel,
     Command,
     Event,
+    EventChannel,
     FinishReason,
     Finished,
     GenerationRequest,
@@ -78,12 +79,13 @@ class EngineStats:
     pool_used_bytes: int = 0
     pool_budget_bytes: int = 0
     num_agents_cached: int = 0
+    num_evictions: int = 0
 
 
 @dataclass(slots=True)
 class _Running:
     request: GenerationRequest
-    events: asyncio.Queue[Event]
+    events: EventChannel
     agent_id: str
     text: TextStream
     reserved_block_ids: list[int]
@@ -95,11 +97,16 @@ class _Running:
 class RequestStream:
     """The asyncio side of one request: iterate its events; `cancel` frees its batch slot."""
 
-    def __init__(self, engine: Engine, request: GenerationRequest, events: asyncio.Queue[Event]) -> None:
+    def __init__(self, engine: Engine, request: GenerationRequest, events: EventChannel) -> None:
         self.engine = engine
         self.request = request
         self._events = events
         self.finished: Finished | None = None
+
+    @property
+    def done(self) -> asyncio.Future[None]:
+        """Resolves when the engine is finished with this request, whoever reads the stream."""
+        return self._events.done
 
     def cancel(self) -> None:
         if self.finished is None:
@@ -108,7 +115,7 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[Event]:
         try:
             while self.finished is None:
-                event = await self._events.get()
+                event = await self._events.queue.get()
                 if isinstance(event, BaseException):
                     self.finished = Finished(FinishReason.CANCELLED, None, 0, 0, 0)
                     raise event
@@ -127,7 +134,9 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.loaded: LoadedModel | None = None
         self.stats = EngineStats()
-        self.on_evict: Callable[[list[CacheSnapshot]], None] | None = None
+        # Set by the owner: evicted caches are serialized on the engine thread, then handed over.
+        self.serialize_evicted: Callable[[CacheSnapshot], Any] | None = None
+        self.on_evict: Callable[[list[Any]], None] | None = None
         # Engine-thread state below.
         self._waiting: deque[Submit] = deque()
         self._running: dict[int, _Running] = {}
@@ -136,7 +145,7 @@ class Engine:
         self._pool: BlockPool | None = None
         self._store: AgentCacheStore | None = None
         self._stream: Any = None
-        self._pending: list[tuple[asyncio.Queue[Event], list[Event]]] = []
+        self._pending: list[tuple[EventChannel, list[Event]]] = []
 
     @property
     def model(self) -> LoadedModel:
@@ -182,7 +191,7 @@ class Engine:
                 stop=sampling.stop,
                 seed=sampling.seed,
             )
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events = EventChannel(asyncio.get_running_loop())
         self._inbox.put(Submit(request, events))
         return RequestStream(self, request, events)
 
@@ -347,8 +356,18 @@ class Engine:
         evicted = self.store.evict_until(num_blocks)
         if evicted:
             logger.info("evicted {} agent caches to free {} blocks", len(evicted), num_blocks)
-            if self.on_evict is not None and self._loop is not None:
-                self._loop.call_soon_threadsafe(self.on_evict, evicted)
+
+    def _hand_over_evicted(self) -> None:
+        evicted, self.store.evicted = self.store.evicted, []
+        if not evicted:
+            return
+        self.stats.num_evictions += len(evicted)
+        if self.on_evict is None or self.serialize_evicted is None or self._loop is None:
+            return
+        # Anonymous agents are matched by content in memory only; their ids do not survive a restart.
+        serialized = [self.serialize_evicted(s) for s in evicted if not s.agent_id.startswith("anon-")]
+        if serialized:
+            self._loop.call_soon_threadsafe(self.on_evict, serialized)
 
     def _insert(self, submit: Submit, reserved: list[int]) -> None:
         assert self._generator is not None and self._pool is not None
@@ -358,6 +377,8 @@ class Engine:
         try:
             agent_id = store.resolve_agent_id(request.agent_id, request.prompt_tokens)
             prepared = store.prepare(agent_id, request.prompt_tokens)
+            if request.cache_tier_hint and prepared.num_cached_tokens:
+                prepared.tier = request.cache_tier_hint
             sampler = make_sampler(request.sampling, loaded.vocab_size)
             (uid,) = self._generator.insert(
                 [request.prompt_tokens[prepared.num_cached_tokens :]],
@@ -443,14 +464,15 @@ class Engine:
         running.reserved_block_ids = []
         self.store.unpin(running.agent_id)
 
-    def _post(self, events: asyncio.Queue[Event], event: Event) -> None:
+    def _post(self, events: EventChannel, event: Event) -> None:
         self._pending.append((events, [event]))
 
-    def _post_many(self, events: asyncio.Queue[Event], batch: list[Event]) -> None:
+    def _post_many(self, events: EventChannel, batch: list[Event]) -> None:
         if batch:
             self._pending.append((events, list(batch)))
 
     def _flush(self) -> None:
+        self._hand_over_evicted()
         for running in self._running.values():
             if running.outbox:
                 self._pending.append((running.events, running.outbox))
@@ -467,10 +489,10 @@ class Engine:
         self.stats.num_agents_cached = len(self.store.agents)
 
 
-def _deliver(pending: list[tuple[asyncio.Queue[Event], list[Event]]]) -> None:
+def _deliver(pending: list[tuple[EventChannel, list[Event]]]) -> None:
     for events, batch in pending:
         for event in batch:
-            events.put_nowait(event)
+            events.put(event)
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

@@ -21,6 +21,8 @@ class GenerationRequest:
     prompt_tokens: list[int]
     sampling: SamplingParams
     agent_id: str | None = None
+    # "disk" when the agent's cache was just loaded from disk, so usage reports that tier.
+    cache_tier_hint: str | None = None
 
 
 @dataclass(slots=True)
@@ -56,10 +58,25 @@ class Finished:
 Event = PromptStarted | PromptProgress | TokenDelta | Finished | BaseException
 
 
+class EventChannel:
+    """Where the engine posts one request's events; `done` resolves with the last one."""
+
+    __slots__ = ("done", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.done: asyncio.Future[None] = loop.create_future()
+
+    def put(self, event: Event) -> None:
+        self.queue.put_nowait(event)
+        if isinstance(event, Finished | BaseException) and not self.done.done():
+            self.done.set_result(None)
+
+
 @dataclass(slots=True)
 class Submit:
     request: GenerationRequest
-    events: asyncio.Queue[Event]
+    events: EventChannel
 
 
 @dataclass(slots=True)

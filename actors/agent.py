@@ -1,0 +1,142 @@
+"""An agent actor: a bounded mailbox and one turn at a time.
+
+Ask/tell rules (after pykka): a failure while handling an ask goes to the asker and the actor
+lives on; a failure on a tell is logged and stops the actor. At stop every queued ask fails with
+AgentStoppedError, so no caller waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from loguru import logger
+
+from engine.engine import RequestStream
+from engine.messages import GenerationRequest
+
+if TYPE_CHECKING:
+    from actors.system import AgentSystem
+
+
+class MailboxFullError(RuntimeError):
+    def __init__(self, agent_id: str, limit: int) -> None:
+        super().__init__(f"agent {agent_id} already has {limit} requests queued (the mailbox limit); retry later")
+        self.limit = limit
+
+
+class AgentStoppedError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    request: GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Evict:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    pass
+
+
+Message = Generate | Evict | Stop
+
+
+class Envelope:
+    __slots__ = ("message", "reply")
+
+    def __init__(self, message: Message, reply: asyncio.Future[Any] | None) -> None:
+        self.message = message
+        self.reply = reply
+
+
+class AgentActor:
+    def __init__(self, system: AgentSystem, agent_id: str, mailbox_size: int) -> None:
+        self.system = system
+        self.agent_id = agent_id
+        self.mailbox_size = mailbox_size
+        # Unbounded underneath so Stop always gets in; `_put` enforces the bound for everything else.
+        self._mailbox: asyncio.Queue[Envelope] = asyncio.Queue()
+        self._stopped = False
+        self.num_turns = 0
+
+    @property
+    def is_stopped(self) -> bool:
+        return self._stopped
+
+    def ask(self, message: Message) -> asyncio.Future[Any]:
+        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._put(Envelope(message, reply))
+        return reply
+
+    def tell(self, message: Message) -> None:
+        self._put(Envelope(message, None))
+
+    def _put(self, envelope: Envelope) -> None:
+        if self._stopped:
+            raise AgentStoppedError(f"agent {self.agent_id} is stopped")
+        if self._mailbox.qsize() >= self.mailbox_size:
+            raise MailboxFullError(self.agent_id, self.mailbox_size)
+        self._mailbox.put_nowait(envelope)
+
+    def stop_nowait(self) -> None:
+        """Ask the actor to stop after what it is doing; bypasses the mailbox bound."""
+        self._stopped = True
+        self._mailbox.put_nowait(Envelope(Stop(), None))
+
+    async def run(self) -> None:
+        try:
+            while True:
+                envelope = await self._mailbox.get()
+                if isinstance(envelope.message, Stop):
+                    break
+                await self._handle(envelope)
+        finally:
+            self._stopped = True
+            self._fail_queued()
+            self.system.forget(self)
+
+    async def _handle(self, envelope: Envelope) -> None:
+        try:
+            result = await self._dispatch(envelope.message, envelope.reply)
+        except Exception as error:
+            if envelope.reply is None:
+                logger.exception("agent {} failed on a tell; stopping", self.agent_id)
+                raise
+            if not envelope.reply.done():
+                envelope.reply.set_exception(error)
+            return
+        if envelope.reply is not None and not envelope.reply.done():
+            envelope.reply.set_result(result)
+
+    async def _dispatch(self, message: Message, reply: asyncio.Future[Any] | None) -> Any:
+        match message:
+            case Generate(request=request):
+                request.agent_id = self.agent_id
+                if await self.system.restore_from_disk(self.agent_id):
+                    request.cache_tier_hint = "disk"
+                stream: RequestStream = self.system.engine.submit(request)
+                self.num_turns += 1
+                if reply is not None and not reply.done():
+                    reply.set_result(stream)
+                # One turn at a time: the next message waits until the engine is done with this one.
+                await asyncio.shield(stream.done)
+                return stream
+            case Evict():
+                return await self.system.evict_to_disk(self.agent_id)
+            case Stop():
+                return None
+
+    def _fail_queued(self) -> None:
+        while not self._mailbox.empty():
+            envelope = self._mailbox.get_nowait()
+            if envelope.reply is not None and not envelope.reply.done():
+                envelope.reply.set_exception(
+                    AgentStoppedError(f"agent {self.agent_id} stopped before handling this request")
+                )

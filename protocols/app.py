@@ -1,0 +1,44 @@
+"""The aiohttp application: routes, and the agent system as a cleanup context."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from actors.system import AgentSystem, SystemConfig
+from protocols import openai
+from protocols.common import SETTINGS_KEY, SYSTEM_KEY, ServerSettings
+
+
+async def health_live(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def health_ready(request: web.Request) -> web.Response:
+    system = request.app[SYSTEM_KEY]
+    if not system.engine.is_running:
+        return web.json_response({"status": "unavailable", "reason": "engine not running"}, status=503)
+    return web.json_response({"status": "ok", "model": system.engine.model.name})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response(openai.model_list(request.app[SYSTEM_KEY]))
+
+
+def create_app(config: SystemConfig, settings: ServerSettings | None = None) -> web.Application:
+    app = web.Application(client_max_size=32 * 2**20)
+    app[SYSTEM_KEY] = AgentSystem(config)
+    app[SETTINGS_KEY] = settings or ServerSettings()
+
+    async def agent_system(app: web.Application) -> AsyncIterator[None]:
+        await app[SYSTEM_KEY].start()
+        yield
+        await app[SYSTEM_KEY].stop()
+
+    app.cleanup_ctx.append(agent_system)
+    app.router.add_get("/health/live", health_live)
+    app.router.add_get("/health/ready", health_ready)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/chat/completions", openai.chat_completions)
+    return app

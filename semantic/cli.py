@@ -1,0 +1,144 @@
+"""The `semantic` command: `serve` the HTTP API, `generate` one answer, `fetch-model`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from semantic.launch import reexec_with_fast_blas
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a local MLX model dir or a hub id")
+    parser.add_argument("--cache-dir", type=Path, default=None, help="where models and agent caches live")
+    parser.add_argument("--cache-budget-mb", type=int, default=4096, help="memory for KV caches, in MiB")
+    parser.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
+    parser.add_argument("--max-batch-size", type=int, default=16, help="sequences decoding together")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="default model conversion dtype")
+
+
+def _system_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from actors.system import SystemConfig
+    from engine.default_model import user_cache_dir
+    from engine.engine import EngineConfig
+
+    engine = EngineConfig(
+        model=args.model,
+        block_size=args.block_size,
+        cache_budget_mb=args.cache_budget_mb,
+        max_batch_size=args.max_batch_size,
+        default_dtype=args.dtype,
+    )
+    return SystemConfig(engine=engine, cache_dir=args.cache_dir or user_cache_dir())
+
+
+def _progress_bar():  # type: ignore[no-untyped-def]
+    from tqdm import tqdm
+
+    bars: dict[str, tqdm] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            bar = bars[stage] = tqdm(total=total, desc=f"default model: {stage}", file=sys.stderr)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+
+    return progress
+
+
+def _ensure_default_model(args: argparse.Namespace) -> None:
+    from engine.default_model import ensure_default_model
+    from engine.loading import is_default_model
+
+    if is_default_model(args.model):
+        ensure_default_model(args.dtype, progress=_progress_bar())
+
+
+def serve(args: argparse.Namespace) -> None:
+    from aiohttp import web
+
+    from protocols.app import create_app
+
+    _ensure_default_model(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"refusing to bind {args.host}: only loopback is allowed in this version", file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    app = create_app(_system_config(args))
+    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, print=lambda s: print(s, file=sys.stderr))
+
+
+async def _generate(args: argparse.Namespace) -> None:
+    from actors.system import AgentSystem
+    from engine.messages import TokenDelta
+    from engine.sampling import SamplingParams
+
+    system = AgentSystem(_system_config(args))
+    await system.start()
+    try:
+        tokenizer = system.engine.model.tokenizer
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+        stream = await system.generate(args.agent, prompt, sampling)
+        async for event in stream:
+            if isinstance(event, TokenDelta):
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+    finally:
+        await system.stop()
+
+
+def generate(args: argparse.Namespace) -> None:
+    _ensure_default_model(args)
+    from loguru import logger
+
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+    asyncio.run(_generate(args))
+
+
+def fetch_model(args: argparse.Namespace) -> None:
+    from engine.default_model import ensure_default_model
+
+    print(ensure_default_model(args.dtype, progress=_progress_bar()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    reexec_with_fast_blas()
+    parser = argparse.ArgumentParser(prog="semantic", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve_parser = commands.add_parser("serve", help="serve the HTTP API")
+    _engine_args(serve_parser)
+    serve_parser.add_argument("--host", default="127.0.0.1")
+    serve_parser.add_argument("--port", type=int, default=8000)
+    serve_parser.set_defaults(run=serve)
+
+    generate_parser = commands.add_parser("generate", help="print one answer as it streams")
+    _engine_args(generate_parser)
+    generate_parser.add_argument("prompt")
+    generate_parser.add_argument("--max-tokens", type=int, default=256)
+    generate_parser.add_argument("--temperature", type=float, default=0.0)
+    generate_parser.add_argument("--agent", default=None, help="agent id whose cache to use and keep")
+    generate_parser.set_defaults(run=generate)
+
+    fetch_parser = commands.add_parser("fetch-model", help="fetch and convert the default model")
+    fetch_parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    fetch_parser.set_defaults(run=fetch_model)
+
+    args = parser.parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()
