@@ -86,13 +86,13 @@ class AgentActor:
         self._mailbox.put_nowait(envelope)
 
     def stop_nowait(self) -> None:
-        """Ask the actor to stop after what it is doing; bypasses the mailbox bound."""
+        """Stop after the current message; every queued ask then fails with AgentStoppedError."""
         self._stopped = True
         self._mailbox.put_nowait(Envelope(Stop(), None))
 
     async def run(self) -> None:
         try:
-            while True:
+            while not self._stopped:
                 envelope = await self._mailbox.get()
                 if isinstance(envelope.message, Stop):
                     break

@@ -1,0 +1,208 @@
+"""Agents resume from their caches token-exactly: in memory, after eviction to disk, across models."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from mlx_lm import stream_generate
+
+from actors.agent import AgentStoppedError, Generate, MailboxFullError
+from actors.identity import InvalidAgentIdError, agent_id_from, validate_agent_id
+from actors.system import AgentSystem, SystemConfig
+from engine.engine import EngineConfig, RequestStream
+from engine.messages import Finished, GenerationRequest, PromptStarted, TokenDelta
+from engine.sampling import SamplingParams
+from storage.cache_file import CacheIdentity, read_cache_file, write_cache_file
+
+
+TURNS = ["Hi! My name is Ada.", "What is my name?", "Tell me a fun fact about the moon."]
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module", params=["default", "gemma3", "qwen2"])
+async def system(
+    request: pytest.FixtureRequest, default_model_dir: Path, tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[AgentSystem]:
+    model_dir = default_model_dir if request.param == "default" else tiny_model_dirs[request.param]
+    config = SystemConfig(engine=EngineConfig(model=str(model_dir), cache_budget_mb=256), cache_dir=tmp_path_factory.mktemp("cache"))
+    system = AgentSystem(config)
+    await system.start()
+    yield system
+    await system.stop()
+
+
+def user_turn(system: AgentSystem, text: str, first: bool) -> list[int]:
+    tokenizer = system.engine.model.tokenizer
+    if first:
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    return list(tokenizer.encode(f"\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
+
+
+async def run_turn(stream: RequestStream) -> tuple[list[int], PromptStarted, Finished]:
+    tokens: list[int] = []
+    started = finished = None
+    async for event in stream:
+        if isinstance(event, PromptStarted):
+            started = event
+        elif isinstance(event, TokenDelta):
+            tokens.extend(event.token_ids)
+        elif isinstance(event, Finished):
+            finished = event
+    assert started is not None and finished is not None
+    return tokens, started, finished
+
+
+async def cold_output(system: AgentSystem, prompt: list[int], max_tokens: int) -> list[int]:
+    def run(engine) -> list[int]:  # type: ignore[no-untyped-def]
+        loaded = engine.model
+        steps = stream_generate(loaded.model, loaded.tokenizer, prompt, max_tokens=max_tokens)
+        return [step.token for step in steps if step.token not in loaded.eos_token_ids]
+
+    return await system.engine.call(run)
+
+
+def without_eos(system: AgentSystem, tokens: list[int]) -> list[int]:
+    return [t for t in tokens if t not in system.engine.model.eos_token_ids]
+
+
+async def converse(system: AgentSystem, agent_id: str, between_turns=None) -> list[tuple[str, int, int]]:  # type: ignore[no-untyped-def]
+    """Run TURNS for one agent; check every turn against a cold run; return (tier, cached, history)."""
+    history: list[int] = []
+    report = []
+    for index, text in enumerate(TURNS):
+        if index and between_turns is not None:
+            await between_turns(index)
+        prompt = history + user_turn(system, text, first=index == 0)
+        stream = await system.generate(agent_id, prompt, SamplingParams(max_tokens=12))
+        tokens, started, _ = await run_turn(stream)
+        expected = await cold_output(system, prompt, 12)
+        assert without_eos(system, tokens) == expected, f"turn {index}"
+        report.append((started.cache_tier, started.num_cached_tokens, len(history)))
+        history = prompt + tokens
+    return report
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_turns_resume_from_memory(system: AgentSystem) -> None:
+    report = await converse(system, "memory-agent")
+    for tier, cached, history in report[1:]:
+        assert (tier, cached) == ("memory", history)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_turns_resume_after_eviction_to_disk(system: AgentSystem) -> None:
+    async def evict(index: int) -> None:
+        assert await system.evict("disk-agent")
+        assert system.persistence is not None and system.persistence.path_for("disk-agent").exists()
+        assert "disk-agent" not in await system.engine.call(lambda e: set(e.store.agents))
+
+    report = await converse(system, "disk-agent", between_turns=evict)
+    for tier, cached, history in report[1:]:
+        assert (tier, cached) == ("disk", history)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "other-model"])
+@pytest.mark.asyncio(loop_scope="module")
+async def test_damaged_cache_file_is_quarantined_and_agent_starts_cold(system: AgentSystem, damage: str) -> None:
+    agent_id = f"damaged-{damage}"
+    prompt = user_turn(system, TURNS[0], first=True)
+    await run_turn(await system.generate(agent_id, prompt, SamplingParams(max_tokens=6)))
+    assert await system.evict(agent_id)
+    assert system.persistence is not None
+    path = system.persistence.path_for(agent_id)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        data[-10] ^= 0xFF
+        path.write_bytes(bytes(data))
+    else:
+        identity = system.persistence.identity
+        cache = read_cache_file(path, identity)
+        other = CacheIdentity("another-model", "0" * 32, identity.block_size, identity.spec)
+        write_cache_file(path, cache, other)
+    follow_up = prompt + user_turn(system, TURNS[1], first=False)
+    tokens, started, _ = await run_turn(await system.generate(agent_id, follow_up, SamplingParams(max_tokens=8)))
+    assert started.num_cached_tokens == 0
+    assert not path.exists()
+    assert any(p.name.startswith(agent_id) for p in system.persistence.quarantine_dir.iterdir())
+    assert without_eos(system, tokens) == await cold_output(system, follow_up, 8)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_agents_sharing_a_system_prompt_store_it_once(system: AgentSystem) -> None:
+    if system.engine.model.spec.has_sliding_layers:
+        pytest.skip("sliding-window layers keep per-agent snapshots; block sharing covers full-attention models")
+    tokenizer = system.engine.model.tokenizer
+    shared = "You are a meticulous assistant. " * 120
+    block_size = system.engine.model.spec.block_size
+
+    async def used_blocks() -> int:
+        return await system.engine.call(lambda e: e._pool.num_used_blocks)
+
+    prompts = [
+        list(tokenizer.apply_chat_template([{"role": "system", "content": shared}, {"role": "user", "content": f"Agent {i}: hi"}], add_generation_prompt=True))
+        for i in range(4)
+    ]
+    before = await used_blocks()
+    await run_turn(await system.generate("share-0", prompts[0], SamplingParams(max_tokens=4)))
+    first = await used_blocks() - before
+    for i in range(1, 4):
+        _, started, _ = await run_turn(await system.generate(f"share-{i}", prompts[i], SamplingParams(max_tokens=4)))
+        assert started.num_cached_tokens >= block_size
+    per_other_agent = (await used_blocks() - before - first) / 3
+    assert first >= 3
+    assert per_other_agent <= 1  # only the private tail block
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_one_agent_runs_one_turn_at_a_time(system: AgentSystem) -> None:
+    prompt = user_turn(system, "Count to five.", first=True)
+    order: list[str] = []
+
+    async def turn(name: str) -> None:
+        stream = await system.generate("serial", prompt, SamplingParams(max_tokens=6))
+        async for event in stream:
+            if isinstance(event, PromptStarted):
+                order.append(f"{name}-start")
+            elif isinstance(event, Finished):
+                order.append(f"{name}-end")
+
+    await asyncio.gather(turn("a"), turn("b"))
+    assert order in (["a-start", "a-end", "b-start", "b-end"], ["b-start", "b-end", "a-start", "a-end"])
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_full_mailbox_is_refused_and_stop_fails_queued_asks(system: AgentSystem) -> None:
+    actor = system.agent("busy")
+    prompt = user_turn(system, "Say hi.", first=True)
+
+    def ask() -> asyncio.Future[RequestStream]:
+        return actor.ask(Generate(GenerationRequest("x", list(prompt), SamplingParams(max_tokens=4))))
+
+    asks = [ask() for _ in range(actor.mailbox_size)]
+    with pytest.raises(MailboxFullError, match=f"{actor.mailbox_size} requests queued"):
+        ask()
+    actor.stop_nowait()
+    results = await asyncio.gather(*asks, return_exceptions=True)
+    assert any(isinstance(r, AgentStoppedError) for r in results)
+    for result in results:
+        if isinstance(result, RequestStream):
+            async for _ in result:
+                pass
+
+
+def test_agent_ids_are_validated() -> None:
+    assert validate_agent_id("agent-1.a_b") == "agent-1.a_b"
+    for bad in ["", "../etc", "a/b", ".hidden", "x" * 129, "a b", "-x"]:
+        with pytest.raises(InvalidAgentIdError):
+            validate_agent_id(bad)
+    headers = {"x-session-id": "s", "x-claude-code-session-id": "c"}
+    assert agent_id_from({"x-agent-id": "a", **headers}, "body") == "a"
+    assert agent_id_from(headers, "body") == "body"
+    assert agent_id_from(headers) == "s"
+    assert agent_id_from({"x-claude-code-session-id": "c"}) == "c"
+    assert agent_id_from({}) is None

@@ -1,0 +1,138 @@
+"""The engine on the real default model: batching oracle, cancellation, sampling, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from mlx_lm import generate as mlx_generate
+
+from engine.engine import Engine, EngineConfig, PromptTooLongError, RequestStream
+from engine.messages import Finished, FinishReason, GenerationRequest, PromptStarted, TokenDelta
+from engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "What is 2+2?",
+    "Write a haiku about the sea.",
+]
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engine(default_model_dir: Path) -> AsyncIterator[Engine]:
+    engine = Engine(EngineConfig(model=str(default_model_dir), cache_budget_mb=512))
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+def chat(engine: Engine, text: str) -> list[int]:
+    return list(engine.model.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+
+
+def submit(engine: Engine, prompt: list[int], **sampling: object) -> RequestStream:
+    return engine.submit(GenerationRequest(uuid.uuid4().hex, prompt, SamplingParams(**sampling)))  # type: ignore[arg-type]
+
+
+async def collect(stream: RequestStream) -> tuple[str, list[int], Finished]:
+    text, tokens, finished = [], [], None
+    async for event in stream:
+        if isinstance(event, TokenDelta):
+            text.append(event.text)
+            tokens.extend(event.token_ids)
+        elif isinstance(event, Finished):
+            finished = event
+    assert finished is not None
+    return "".join(text), tokens, finished
+
+
+async def pool_state(engine: Engine) -> tuple[int, int, int]:
+    return await engine.call(lambda e: (e._pool.num_free_blocks, len(e._running), len(e._generator._generation_batch)))
+
+
+async def test_concurrent_requests_match_mlx_lm_generate_alone(engine: Engine) -> None:
+    async def staggered(index: int, text: str) -> tuple[str, list[int], Finished]:
+        await asyncio.sleep(0.12 * index)  # join the running batch at different ticks
+        return await collect(submit(engine, chat(engine, text), max_tokens=24))
+
+    steps_before = engine.stats.num_steps
+    results = await asyncio.gather(*(staggered(i, text) for i, text in enumerate(PROMPTS)))
+    # Fewer steps than the requests' tokens added up means they decoded together.
+    assert engine.stats.num_steps - steps_before < sum(f.num_generated_tokens for _, _, f in results)
+    for text, (output, _, finished) in zip(PROMPTS, results, strict=True):
+        prompt = chat(engine, text)
+        expected = await engine.call(lambda e, p=prompt: mlx_generate(e.model.model, e.model.tokenizer, p, max_tokens=24))
+        assert output == expected
+        assert finished.reason in (FinishReason.STOP, FinishReason.LENGTH)
+    assert results[0][0] == "The capital of France is Paris."
+
+
+async def test_cancelled_stream_frees_its_slot_and_blocks(engine: Engine) -> None:
+    free_before, running_before, batch_before = await pool_state(engine)
+    stream = submit(engine, chat(engine, "Tell me a long story about a dragon."), max_tokens=200)
+    other = submit(engine, chat(engine, "What is 2+2?"), max_tokens=12)
+    received = 0
+    async for event in stream:
+        if isinstance(event, TokenDelta):
+            received += 1
+            if received == 3:
+                break  # leaving the loop cancels the request
+    _, _, finished_other = await collect(other)
+    assert finished_other.reason in (FinishReason.STOP, FinishReason.LENGTH)
+    for _ in range(50):
+        free_after, running_after, batch_after = await pool_state(engine)
+        if running_after == running_before:
+            break
+        await asyncio.sleep(0.05)
+    assert (running_after, batch_after) == (running_before, batch_before)
+    # The finished request kept its agent cache; the cancelled one left nothing behind.
+    agents = await engine.call(lambda e: {a.agent_id: a.num_tokens for a in e.store.agents.values()})
+    assert free_after >= free_before - sum(engine.model.spec.num_blocks_for(n) for n in agents.values())
+
+
+async def test_stop_string_ends_generation_without_leaking_it(engine: Engine) -> None:
+    text, _, finished = await collect(submit(engine, chat(engine, "What is the capital of France?"), max_tokens=20, stop=("Paris",)))
+    assert text == "The capital of France is "
+    assert finished.reason is FinishReason.STOP
+    assert finished.stop_sequence == "Paris"
+
+
+async def test_seeded_sampling_is_reproducible(engine: Engine) -> None:
+    prompt = chat(engine, "Write a sentence about cats.")
+    first = await collect(submit(engine, prompt, max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=7))
+    second = await collect(submit(engine, prompt, max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=7))
+    assert first[1] == second[1]
+
+
+async def test_prompt_longer_than_context_is_refused_with_numbers(engine: Engine) -> None:
+    limit = engine.model.context_length
+    with pytest.raises(PromptTooLongError, match=f"{limit + 5} tokens.*{limit}"):
+        submit(engine, [1] * (limit + 5))
+
+
+async def test_max_tokens_is_clamped_to_context(engine: Engine) -> None:
+    stream = submit(engine, chat(engine, "Hi"), max_tokens=10**6)
+    assert stream.request.sampling.max_tokens == engine.model.context_length - len(chat(engine, "Hi"))
+    stream.cancel()
+    async for _ in stream:
+        pass
+
+
+async def test_prompt_started_reports_reuse(engine: Engine) -> None:
+    prompt = chat(engine, "Name a fruit.")
+    request = GenerationRequest("r1", prompt, SamplingParams(max_tokens=8), agent_id="fruit")
+    _, tokens, _ = await collect(engine.submit(request))
+    follow_up = [*prompt, *tokens, *engine.model.tokenizer.encode("\n<|im_start|>user\nAnother?<|im_end|>\n")]
+    started = None
+    async for event in engine.submit(GenerationRequest("r2", follow_up, SamplingParams(max_tokens=4), agent_id="fruit")):
+        if isinstance(event, PromptStarted):
+            started = event
+    assert started is not None
+    assert started.num_cached_tokens == len(prompt) + len(tokens)

@@ -1,0 +1,60 @@
+"""Tiny random-weight models built from mlx-lm's own model classes, for architecture coverage."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    # Gemma-3 style: every other layer is a 32-token sliding window.
+    "gemma3": {
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "query_pre_attn_scalar": 32,
+        "vocab_size": 49152,
+        "sliding_window": 32,
+        "sliding_window_pattern": 2,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+    },
+    "qwen2": {
+        "model_type": "qwen2",
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 49152,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def build_tiny_model(kind: str, dest: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """Write an MLX model directory with random weights and the default model's tokenizer."""
+    config = dict(TINY_CONFIGS[kind])
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    # Larger embeddings make greedy choices decisive, so oracles do not hinge on ties.
+    weights = {name: value * 4 if "embed" in name else value for name, value in tree_flatten(model.parameters())}
+    dest.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (dest / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_dir / name, dest / name)
+    return dest
