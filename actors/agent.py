@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 class MailboxFullError(RuntimeError):
     def __init__(self, agent_id: str, limit: int) -> None:
-        super().__init__(f"agent {agent_id} already has {limit} requests queued (the mailbox limit); retry later")
+        super().__init__(
+            f"agent {agent_id} already has {limit} requests queued (the mailbox limit); retry later"
+        )
         self.limit = limit
 
 

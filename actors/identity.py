@@ -18,8 +18,8 @@ class InvalidAgentIdError(ValueError):
 def validate_agent_id(agent_id: str) -> str:
     if not _AGENT_ID.fullmatch(agent_id):
         raise InvalidAgentIdError(
-            f"invalid agent id {agent_id[:64]!r}: use 1 to {MAX_AGENT_ID_LENGTH} letters, digits, '-', '_' or '.', "
-            "not starting with '.' or '-'"
+            f"invalid agent id {agent_id[:64]!r}: use 1 to {MAX_AGENT_ID_LENGTH} letters, digits, "
+            "'-', '_' or '.', not starting with '.' or '-'"
         )
     return agent_id
 

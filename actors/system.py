@@ -20,6 +20,7 @@ from loguru import logger
 
 from actors.agent import AgentActor, Evict, Generate
 from actors.identity import validate_agent_id
+from engine.agent_cache import CacheSnapshot
 from engine.default_model import user_cache_dir
 from engine.engine import Engine, EngineConfig, RequestStream
 from engine.messages import GenerationRequest
@@ -57,7 +58,9 @@ class AgentSystem:
         await self.engine.start()
         loaded = self.engine.model
         if self.config.persist_caches:
-            identity = CacheIdentity(loaded.name, loaded.fingerprint, loaded.spec.block_size, loaded.spec.to_dict())
+            identity = CacheIdentity(
+                loaded.name, loaded.fingerprint, loaded.spec.block_size, loaded.spec.to_dict()
+            )
             self.persistence = PersistenceActor(self.config.cache_dir, identity)
             await self.persistence.start()
             self.engine.serialize_evicted = to_tensors
@@ -97,7 +100,11 @@ class AgentSystem:
             del self._agents[actor.agent_id]
 
     async def generate(
-        self, agent_id: str | None, prompt_tokens: list[int], sampling: SamplingParams, request_id: str | None = None
+        self,
+        agent_id: str | None,
+        prompt_tokens: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
     ) -> RequestStream:
         """Start a turn: through the agent's actor with an id, straight to the engine without one."""
         request = GenerationRequest(request_id or uuid.uuid4().hex, list(prompt_tokens), sampling)
@@ -118,7 +125,7 @@ class AgentSystem:
         await self.engine.call(lambda e: e.store.restore(self._snapshot_of(cache)))
         return True
 
-    def _snapshot_of(self, cache: SerializedCache):  # type: ignore[no-untyped-def]
+    def _snapshot_of(self, cache: SerializedCache) -> CacheSnapshot:
         spec = self.engine.model.spec
         return from_tensors(cache, spec.dtype, len(spec.full_layer_ids), len(spec.sliding_layer_ids))
 
@@ -161,7 +168,10 @@ class AgentSystem:
 
         def in_memory(engine: Engine) -> list[AgentInfo]:
             now = time.monotonic()
-            return [AgentInfo(a.agent_id, a.num_tokens, "memory", now - a.last_used) for a in engine.store.agents.values()]
+            return [
+                AgentInfo(a.agent_id, a.num_tokens, "memory", now - a.last_used)
+                for a in engine.store.agents.values()
+            ]
 
         infos = {info.agent_id: info for info in await self.engine.call(in_memory)}
         if self.persistence is not None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -23,7 +23,8 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from engine.block_pool import BlockPool, hash_block_tokens
 from engine.cache_spec import ModelCacheSpec
 
-LayerKV = tuple[mx.array, mx.array]
+# None for an agent with no tokens yet.
+LayerKV = tuple[mx.array | None, mx.array | None]
 
 
 @dataclass(slots=True)
@@ -154,17 +155,19 @@ class AgentCacheStore:
         for slot, layer in enumerate(full_ids):
             keys = mx.concatenate([p[slot][0] for p in payloads], axis=2)[..., :num_tokens, :]
             values = mx.concatenate([p[slot][1] for p in payloads], axis=2)[..., :num_tokens, :]
-            cache = KVCache()
-            cache.state = (keys, values, num_tokens)
-            caches[layer] = cache
+            full = KVCache()
+            full.state = (keys, values, num_tokens)
+            caches[layer] = full
         for slot, layer in enumerate(self.spec.sliding_layer_ids):
-            cache = RotatingKVCache(max_size=1)
-            cache.state = agent.sliding_states[slot]
-            cache.trim(agent.num_tokens - num_tokens)
-            caches[layer] = cache
+            sliding = RotatingKVCache(max_size=1)
+            sliding.state = agent.sliding_states[slot]
+            sliding.trim(agent.num_tokens - num_tokens)
+            caches[layer] = sliding
         return caches
 
-    def store(self, agent_id: str, token_ids: list[int], layer_caches: list[Any], reserved: list[int]) -> list[int]:
+    def store(
+        self, agent_id: str, token_ids: list[int], layer_caches: list[Any], reserved: list[int]
+    ) -> list[int]:
         """Keep a finished turn's cache; returns the reserved blocks it did not use."""
         assert len(layer_caches) == self.spec.num_layers, "cache layers do not match the spec: engine bug"
         size = self.spec.block_size
@@ -174,7 +177,10 @@ class AgentCacheStore:
         parent = None
         for start in range(0, len(token_ids), size):
             tokens = token_ids[start : start + size]
-            payload = tuple((k[..., start : start + len(tokens), :], v[..., start : start + len(tokens), :]) for k, v in full_kv)
+            payload = tuple(
+                (k[..., start : start + len(tokens), :], v[..., start : start + len(tokens), :])
+                for k, v in full_kv
+            )
             if len(tokens) == size:
                 parent = hash_block_tokens(parent, tokens)
                 existing = self.pool.get_cached_block(parent, tokens)
@@ -194,7 +200,9 @@ class AgentCacheStore:
         sliding = [layer_caches[layer].state for layer in self.spec.sliding_layer_ids]
         previous = self.agents.get(agent_id)
         num_running = previous.num_running if previous else 0
-        self.agents[agent_id] = AgentCache(agent_id, list(token_ids), block_ids, sliding, num_running=num_running)
+        self.agents[agent_id] = AgentCache(
+            agent_id, list(token_ids), block_ids, sliding, num_running=num_running
+        )
         if previous is not None:
             self.pool.free(previous.block_ids)
         return spare
@@ -253,20 +261,20 @@ class AgentCacheStore:
         num_tokens = len(snapshot.token_ids)
         for slot, layer in enumerate(self.spec.full_layer_ids):
             keys, values = snapshot.full_layers[slot]
-            cache = KVCache()
-            cache.state = (keys, values, num_tokens)
-            caches[layer] = cache
+            full = KVCache()
+            full.state = (keys, values, num_tokens)
+            caches[layer] = full
         for slot, layer in enumerate(self.spec.sliding_layer_ids):
-            cache = RotatingKVCache(max_size=1)
-            cache.state = snapshot.sliding_layers[slot]
-            caches[layer] = cache
+            sliding = RotatingKVCache(max_size=1)
+            sliding.state = snapshot.sliding_layers[slot]
+            caches[layer] = sliding
         needed = self.spec.num_blocks_for(num_tokens)
         if not self.pool.can_allocate(needed):
             self.evict_until(needed)
         self.store(snapshot.agent_id, snapshot.token_ids, caches, [])
 
 
-def _kv_of(cache: Any, num_tokens: int) -> LayerKV:
+def _kv_of(cache: Any, num_tokens: int) -> tuple[mx.array, mx.array]:
     keys, values = cache.state[0], cache.state[1]
     assert keys.shape[2] >= num_tokens, "cache holds fewer tokens than its token list: engine bug"
     return keys[..., :num_tokens, :], values[..., :num_tokens, :]

@@ -126,7 +126,9 @@ class BlockPool:
                     block.payload = None
                     self.free_block_ids.move_to_end(block_id, last=False)
 
-    def cache_full_block(self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int], payload: Any) -> None:
+    def cache_full_block(
+        self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int], payload: Any
+    ) -> None:
         """Publish a full block under its chained hash so other sequences can share it."""
         block = self.blocks[block_id]
         assert block.ref_count > 0, f"block {block_id} is published while free: caller bug"

@@ -87,7 +87,9 @@ class ModelCacheSpec:
             elif isinstance(cache, KVCache):
                 kinds.append(LayerKind.FULL)
             else:
-                raise ValueError(f"unsupported cache type {type(cache).__name__}: semantic needs KV attention caches")
+                raise ValueError(
+                    f"unsupported cache type {type(cache).__name__}: semantic needs KV attention caches"
+                )
         if len(windows) > 1:
             raise ValueError(f"layers use several sliding windows {sorted(windows)}; one is supported")
         model(mx.array([[0]]), cache=caches)

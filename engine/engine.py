@@ -30,8 +30,8 @@ from engine.messages import (
     Command,
     Event,
     EventChannel,
-    FinishReason,
     Finished,
+    FinishReason,
     GenerationRequest,
     PromptProgress,
     PromptStarted,
@@ -51,7 +51,10 @@ class EngineError(RuntimeError):
 
 class PromptTooLongError(ValueError):
     def __init__(self, num_tokens: int, limit: int) -> None:
-        super().__init__(f"prompt has {num_tokens} tokens; the model's context holds {limit} (at least 1 must be left to generate)")
+        super().__init__(
+            f"prompt has {num_tokens} tokens; the model's context holds {limit} "
+            "(at least 1 must be left to generate)"
+        )
         self.num_tokens = num_tokens
         self.limit = limit
 
@@ -203,7 +206,7 @@ class Engine:
         assert self._loop is not None, "engine not started"
         reply: asyncio.Future[Any] = self._loop.create_future()
         self._inbox.put(Call(fn, reply, self._loop))
-        return await reply  # type: ignore[no-any-return]
+        return await reply
 
     # ---- engine thread ----
 
@@ -231,7 +234,9 @@ class Engine:
         config = self.config
         self.loaded = load_model(config.model, config.block_size, config.default_dtype)
         spec = self.loaded.spec
-        self._pool = BlockPool.from_budget(config.cache_budget_mb * 2**20, spec.bytes_per_block, spec.block_size)
+        self._pool = BlockPool.from_budget(
+            config.cache_budget_mb * 2**20, spec.bytes_per_block, spec.block_size
+        )
         model = self.loaded.model
         self._store = AgentCacheStore(spec, self._pool, lambda: make_prompt_cache(model))
         self._generator = self._new_generator()
@@ -315,7 +320,10 @@ class Engine:
         for submit in self._waiting:
             if submit.request.request_id == request_id:
                 self._waiting.remove(submit)
-                self._post(submit.events, Finished(FinishReason.CANCELLED, None, len(submit.request.prompt_tokens), 0, 0))
+                self._post(
+                    submit.events,
+                    Finished(FinishReason.CANCELLED, None, len(submit.request.prompt_tokens), 0, 0),
+                )
                 return
         for uid, running in self._running.items():
             if running.request.request_id == request_id:
@@ -337,7 +345,8 @@ class Engine:
                     submit.events,
                     ValueError(
                         f"request needs {needed} KV blocks ({len(request.prompt_tokens)} prompt + "
-                        f"{request.sampling.max_tokens} new tokens) but the cache budget holds {self._pool.num_blocks}"
+                        f"{request.sampling.max_tokens} new tokens) but the cache budget holds "
+                        f"{self._pool.num_blocks}"
                     ),
                 )
                 continue
@@ -385,17 +394,22 @@ class Engine:
                 max_tokens=[request.sampling.max_tokens],
                 caches=[prepared.caches],
                 all_tokens=[list(request.prompt_tokens[: prepared.num_cached_tokens])],
-                samplers=[sampler],
+                samplers=[sampler],  # type: ignore[list-item]
             )
         except BaseException:
             self._pool.free(reserved)
             raise
         store.pin(agent_id)
         text = TextStream(loaded.tokenizer.detokenizer, request.sampling.stop, loaded.eos_token_ids)
-        self._running[uid] = _Running(request, submit.events, agent_id, text, reserved, prepared.num_cached_tokens)
+        self._running[uid] = _Running(
+            request, submit.events, agent_id, text, reserved, prepared.num_cached_tokens
+        )
         self.stats.num_prompt_tokens += len(request.prompt_tokens)
         self.stats.num_cached_tokens += prepared.num_cached_tokens
-        self._post(submit.events, PromptStarted(len(request.prompt_tokens), prepared.num_cached_tokens, prepared.tier))
+        self._post(
+            submit.events,
+            PromptStarted(len(request.prompt_tokens), prepared.num_cached_tokens, prepared.tier),
+        )
 
     def _step(self) -> None:
         assert self._generator is not None
@@ -404,17 +418,17 @@ class Engine:
         except Exception as error:
             logger.exception("batch step failed; failing {} requests", len(self._running))
             for uid in list(self._running):
-                running = self._running.pop(uid)
-                self._release(running)
-                self._post(running.events, EngineError(f"generation failed: {error}"))
+                failed = self._running.pop(uid)
+                self._release(failed)
+                self._post(failed.events, EngineError(f"generation failed: {error}"))
             self._generator = self._new_generator()
             return
         self.stats.num_steps += 1
         for progress in prompt_responses:
-            running = self._running.get(progress.uid)
-            if running is not None and not progress.end_of_prompt:
+            prefilling = self._running.get(progress.uid)
+            if prefilling is not None and not progress.end_of_prompt:
                 done, total = progress.progress
-                running.outbox.append(PromptProgress(done, total))
+                prefilling.outbox.append(PromptProgress(done, total))
         for response in generation_responses:
             running = self._running.get(response.uid)
             if running is None:
@@ -425,10 +439,17 @@ class Engine:
             running.outbox.append(TokenDelta([response.token], text))
             if response.finish_reason is not None:
                 reason = FinishReason.LENGTH if response.finish_reason == "length" else FinishReason.STOP
-                self._finish(response.uid, reason, from_generator=True, cache=(response.prompt_cache, response.all_tokens))
+                self._finish(
+                    response.uid,
+                    reason,
+                    from_generator=True,
+                    cache=(response.prompt_cache, response.all_tokens),
+                )
             elif running.text.stop_hit is not None:
                 removed = self._generator.remove([response.uid], return_prompt_caches=True)
-                self._finish(response.uid, FinishReason.STOP, from_generator=True, cache=removed.get(response.uid))
+                self._finish(
+                    response.uid, FinishReason.STOP, from_generator=True, cache=removed.get(response.uid)
+                )
 
     def _finish(
         self, uid: int, reason: FinishReason, from_generator: bool, cache: tuple[Any, Any] | None = None

@@ -32,7 +32,9 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
-            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings, got {list(self.stop)}")
+            raise ValueError(
+                f"stop takes at most {MAX_STOP_STRINGS} non-empty strings, got {list(self.stop)}"
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -115,7 +115,9 @@ _decode_request = msgspec.json.Decoder(ChatCompletionRequest).decode
 _encode = msgspec.json.Encoder().encode
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> web.Response:
+def error_response(
+    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+) -> web.Response:
     body = ErrorBody(ErrorDetail(message=message, type=kind, param=param, code=str(status)))
     return web.Response(status=status, body=_encode(body), content_type="application/json")
 
@@ -171,7 +173,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except Exception as error:
-        return error_response(400, f"the model's chat template rejected the messages: {error}", param="messages")
+        return error_response(
+            400, f"the model's chat template rejected the messages: {error}", param="messages"
+        )
     try:
         stream = await system.generate(agent_id, prompt, sampling)
     except PromptTooLongError as error:
@@ -206,14 +210,29 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         async for event in stream:
             if isinstance(event, PromptStarted):
-                await send(ChatCompletionChunk(completion_id, created, model_name, [ChunkChoice(0, Delta(role="assistant", content=""), None)]))
+                await send(
+                    ChatCompletionChunk(
+                        completion_id,
+                        created,
+                        model_name,
+                        [ChunkChoice(0, Delta(role="assistant", content=""), None)],
+                    )
+                )
             elif isinstance(event, TokenDelta) and event.text:
-                await send(ChatCompletionChunk(completion_id, created, model_name, [ChunkChoice(0, Delta(content=event.text), None)]))
+                await send(
+                    ChatCompletionChunk(
+                        completion_id, created, model_name, [ChunkChoice(0, Delta(content=event.text), None)]
+                    )
+                )
             elif isinstance(event, Finished):
                 reason = _FINISH_REASONS[event.reason]
-                await send(ChatCompletionChunk(completion_id, created, model_name, [ChunkChoice(0, Delta(), reason)]))
+                await send(
+                    ChatCompletionChunk(completion_id, created, model_name, [ChunkChoice(0, Delta(), reason)])
+                )
                 if include_usage:
-                    await send(ChatCompletionChunk(completion_id, created, model_name, [], usage=_usage(event)))
+                    await send(
+                        ChatCompletionChunk(completion_id, created, model_name, [], usage=_usage(event))
+                    )
         await response.write(b"data: [DONE]\n\n")
     except Exception as error:  # the stream has started: report in-band, then end it
         detail = ErrorBody(ErrorDetail(message=str(error), type="server_error"))

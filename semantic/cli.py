@@ -6,20 +6,31 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from semantic.launch import reexec_with_fast_blas
 
+if TYPE_CHECKING:
+    from actors.system import SystemConfig
+    from engine.default_model import ProgressFn
+
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a local MLX model dir or a hub id")
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="'default' (SmolLM2-135M-Instruct), a local MLX model dir or a hub id",
+    )
     parser.add_argument("--cache-dir", type=Path, default=None, help="where models and agent caches live")
     parser.add_argument("--cache-budget-mb", type=int, default=4096, help="memory for KV caches, in MiB")
     parser.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
     parser.add_argument("--max-batch-size", type=int, default=16, help="sequences decoding together")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="default model conversion dtype")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="default model conversion dtype"
+    )
 
 
-def _system_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _system_config(args: argparse.Namespace) -> SystemConfig:
     from actors.system import SystemConfig
     from engine.default_model import user_cache_dir
     from engine.engine import EngineConfig
@@ -34,7 +45,7 @@ def _system_config(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return SystemConfig(engine=engine, cache_dir=args.cache_dir or user_cache_dir())
 
 
-def _progress_bar():  # type: ignore[no-untyped-def]
+def _progress_bar() -> ProgressFn:
     from tqdm import tqdm
 
     bars: dict[str, tqdm] = {}
@@ -74,7 +85,13 @@ def serve(args: argparse.Namespace) -> None:
     except ImportError:
         pass
     app = create_app(_system_config(args))
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, print=lambda s: print(s, file=sys.stderr))
+    web.run_app(
+        app,
+        host=args.host,
+        port=args.port,
+        handler_cancellation=True,
+        print=lambda s: print(s, file=sys.stderr),
+    )
 
 
 async def _generate(args: argparse.Namespace) -> None:
@@ -86,7 +103,9 @@ async def _generate(args: argparse.Namespace) -> None:
     await system.start()
     try:
         tokenizer = system.engine.model.tokenizer
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+        )
         sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
         stream = await system.generate(args.agent, prompt, sampling)
         async for event in stream:

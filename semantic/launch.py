@@ -59,7 +59,9 @@ def fast_blas_env(environ: dict[str, str] | None = None) -> dict[str, str] | Non
     from engine.default_model import user_cache_dir
 
     preload = [str(libs[0])] + [p for p in env.get("LD_PRELOAD", "").split(":") if p]
-    library_path = _gfortran_dirs(user_cache_dir()) + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
+    library_path = _gfortran_dirs(user_cache_dir()) + [
+        p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p
+    ]
     env.update(LD_PRELOAD=":".join(preload), LD_LIBRARY_PATH=":".join(library_path), **{_DONE_MARKER: "1"})
     return env
 

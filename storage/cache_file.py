@@ -57,7 +57,7 @@ def to_tensors(snapshot: CacheSnapshot) -> SerializedCache:
     """Engine thread: evaluate and copy a snapshot into numpy arrays."""
     arrays: dict[str, mx.array] = {"tokens": mx.array(snapshot.token_ids, dtype=mx.int32)}
     for i, (keys, values) in enumerate(snapshot.full_layers):
-        if keys is not None:
+        if keys is not None and values is not None:
             arrays[f"full.{i}.keys"], arrays[f"full.{i}.values"] = keys, values
     sliding_meta = []
     for i, state in enumerate(snapshot.sliding_layers):
@@ -78,7 +78,10 @@ def from_tensors(cache: SerializedCache, dtype: str, num_full: int, num_sliding:
     for i in range(num_full):
         if f"full.{i}.keys" in tensors:
             full_layers.append(
-                (_from_numpy(tensors[f"full.{i}.keys"], mx_dtype), _from_numpy(tensors[f"full.{i}.values"], mx_dtype))
+                (
+                    _from_numpy(tensors[f"full.{i}.keys"], mx_dtype),
+                    _from_numpy(tensors[f"full.{i}.values"], mx_dtype),
+                )
             )
         else:
             full_layers.append((None, None))

@@ -9,14 +9,23 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 from loguru import logger
 
-from storage.cache_file import CacheFileError, CacheIdentity, SerializedCache, read_cache_file, write_cache_file
+from storage.cache_file import (
+    CacheFileError,
+    CacheIdentity,
+    SerializedCache,
+    read_cache_file,
+    write_cache_file,
+)
 
 SUFFIX = ".safetensors"
+T = TypeVar("T")
 
 
 class PersistenceActor:
@@ -81,13 +90,17 @@ class PersistenceActor:
         self._on_disk.discard(agent_id)
         await self._run(lambda: self.path_for(agent_id).unlink(missing_ok=True))
 
-    async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _scan(self) -> set[str]:
         if not self.agents_dir.exists():
             return set()
-        return {p.name.removesuffix(SUFFIX) for p in self.agents_dir.glob(f"*{SUFFIX}") if not p.name.startswith(".")}
+        return {
+            p.name.removesuffix(SUFFIX)
+            for p in self.agents_dir.glob(f"*{SUFFIX}")
+            if not p.name.startswith(".")
+        }
 
     def _write(self, cache: SerializedCache) -> float:
         start = time.perf_counter()

@@ -6,11 +6,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import urllib.error
-import urllib.request
 import pytest
 
 from engine.default_model import ensure_default_model
@@ -48,14 +48,26 @@ class ServerProcess:
         self.log_path = cache_dir / f"server-{self.port}.log"
 
     def start(self, timeout: float = 120) -> ServerProcess:
-        cmd = [sys.executable, "-m", "semantic.cli", "serve", "--port", str(self.port), "--cache-dir", str(self.cache_dir), *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "semantic.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--cache-dir",
+            str(self.cache_dir),
+            *self.args,
+        ]
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}: {self.log_path.read_text()[-3000:]}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health/ready", timeout=1) as reply:
                     if reply.status == 200:

@@ -18,16 +18,21 @@ from engine.messages import Finished, GenerationRequest, PromptStarted, TokenDel
 from engine.sampling import SamplingParams
 from storage.cache_file import CacheIdentity, read_cache_file, write_cache_file
 
-
 TURNS = ["Hi! My name is Ada.", "What is my name?", "Tell me a fun fact about the moon."]
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module", params=["default", "gemma3", "qwen2"])
 async def system(
-    request: pytest.FixtureRequest, default_model_dir: Path, tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    default_model_dir: Path,
+    tiny_model_dirs: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[AgentSystem]:
     model_dir = default_model_dir if request.param == "default" else tiny_model_dirs[request.param]
-    config = SystemConfig(engine=EngineConfig(model=str(model_dir), cache_budget_mb=256), cache_dir=tmp_path_factory.mktemp("cache"))
+    config = SystemConfig(
+        engine=EngineConfig(model=str(model_dir), cache_budget_mb=256),
+        cache_dir=tmp_path_factory.mktemp("cache"),
+    )
     system = AgentSystem(config)
     await system.start()
     yield system
@@ -37,8 +42,14 @@ async def system(
 def user_turn(system: AgentSystem, text: str, first: bool) -> list[int]:
     tokenizer = system.engine.model.tokenizer
     if first:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
-    return list(tokenizer.encode(f"\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
+        return list(
+            tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        )
+    return list(
+        tokenizer.encode(
+            f"\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+        )
+    )
 
 
 async def run_turn(stream: RequestStream) -> tuple[list[int], PromptStarted, Finished]:
@@ -106,7 +117,9 @@ async def test_turns_resume_after_eviction_to_disk(system: AgentSystem) -> None:
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "other-model"])
 @pytest.mark.asyncio(loop_scope="module")
-async def test_damaged_cache_file_is_quarantined_and_agent_starts_cold(system: AgentSystem, damage: str) -> None:
+async def test_damaged_cache_file_is_quarantined_and_agent_starts_cold(
+    system: AgentSystem, damage: str
+) -> None:
     agent_id = f"damaged-{damage}"
     prompt = user_turn(system, TURNS[0], first=True)
     await run_turn(await system.generate(agent_id, prompt, SamplingParams(max_tokens=6)))
@@ -125,7 +138,9 @@ async def test_damaged_cache_file_is_quarantined_and_agent_starts_cold(system: A
         other = CacheIdentity("another-model", "0" * 32, identity.block_size, identity.spec)
         write_cache_file(path, cache, other)
     follow_up = prompt + user_turn(system, TURNS[1], first=False)
-    tokens, started, _ = await run_turn(await system.generate(agent_id, follow_up, SamplingParams(max_tokens=8)))
+    tokens, started, _ = await run_turn(
+        await system.generate(agent_id, follow_up, SamplingParams(max_tokens=8))
+    )
     assert started.num_cached_tokens == 0
     assert not path.exists()
     assert any(p.name.startswith(agent_id) for p in system.persistence.quarantine_dir.iterdir())
@@ -135,7 +150,9 @@ async def test_damaged_cache_file_is_quarantined_and_agent_starts_cold(system: A
 @pytest.mark.asyncio(loop_scope="module")
 async def test_agents_sharing_a_system_prompt_store_it_once(system: AgentSystem) -> None:
     if system.engine.model.spec.has_sliding_layers:
-        pytest.skip("sliding-window layers keep per-agent snapshots; block sharing covers full-attention models")
+        pytest.skip(
+            "sliding-window layers keep per-agent snapshots; block sharing covers full-attention models"
+        )
     tokenizer = system.engine.model.tokenizer
     shared = "You are a meticulous assistant. " * 120
     block_size = system.engine.model.spec.block_size
@@ -144,14 +161,21 @@ async def test_agents_sharing_a_system_prompt_store_it_once(system: AgentSystem)
         return await system.engine.call(lambda e: e._pool.num_used_blocks)
 
     prompts = [
-        list(tokenizer.apply_chat_template([{"role": "system", "content": shared}, {"role": "user", "content": f"Agent {i}: hi"}], add_generation_prompt=True))
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "system", "content": shared}, {"role": "user", "content": f"Agent {i}: hi"}],
+                add_generation_prompt=True,
+            )
+        )
         for i in range(4)
     ]
     before = await used_blocks()
     await run_turn(await system.generate("share-0", prompts[0], SamplingParams(max_tokens=4)))
     first = await used_blocks() - before
     for i in range(1, 4):
-        _, started, _ = await run_turn(await system.generate(f"share-{i}", prompts[i], SamplingParams(max_tokens=4)))
+        _, started, _ = await run_turn(
+            await system.generate(f"share-{i}", prompts[i], SamplingParams(max_tokens=4))
+        )
         assert started.num_cached_tokens >= block_size
     per_other_agent = (await used_blocks() - before - first) / 3
     assert first >= 3

@@ -34,7 +34,11 @@ async def engine(default_model_dir: Path) -> AsyncIterator[Engine]:
 
 
 def chat(engine: Engine, text: str) -> list[int]:
-    return list(engine.model.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    return list(
+        engine.model.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+    )
 
 
 def submit(engine: Engine, prompt: list[int], **sampling: object) -> RequestStream:
@@ -54,7 +58,9 @@ async def collect(stream: RequestStream) -> tuple[str, list[int], Finished]:
 
 
 async def pool_state(engine: Engine) -> tuple[int, int, int]:
-    return await engine.call(lambda e: (e._pool.num_free_blocks, len(e._running), len(e._generator._generation_batch)))
+    return await engine.call(
+        lambda e: (e._pool.num_free_blocks, len(e._running), len(e._generator._generation_batch))
+    )
 
 
 async def test_concurrent_requests_match_mlx_lm_generate_alone(engine: Engine) -> None:
@@ -68,7 +74,9 @@ async def test_concurrent_requests_match_mlx_lm_generate_alone(engine: Engine) -
     assert engine.stats.num_steps - steps_before < sum(f.num_generated_tokens for _, _, f in results)
     for text, (output, _, finished) in zip(PROMPTS, results, strict=True):
         prompt = chat(engine, text)
-        expected = await engine.call(lambda e, p=prompt: mlx_generate(e.model.model, e.model.tokenizer, p, max_tokens=24))
+        expected = await engine.call(
+            lambda e, p=prompt: mlx_generate(e.model.model, e.model.tokenizer, p, max_tokens=24)
+        )
         assert output == expected
         assert finished.reason in (FinishReason.STOP, FinishReason.LENGTH)
     assert results[0][0] == "The capital of France is Paris."
@@ -98,7 +106,9 @@ async def test_cancelled_stream_frees_its_slot_and_blocks(engine: Engine) -> Non
 
 
 async def test_stop_string_ends_generation_without_leaking_it(engine: Engine) -> None:
-    text, _, finished = await collect(submit(engine, chat(engine, "What is the capital of France?"), max_tokens=20, stop=("Paris",)))
+    text, _, finished = await collect(
+        submit(engine, chat(engine, "What is the capital of France?"), max_tokens=20, stop=("Paris",))
+    )
     assert text == "The capital of France is "
     assert finished.reason is FinishReason.STOP
     assert finished.stop_sequence == "Paris"
@@ -107,7 +117,9 @@ async def test_stop_string_ends_generation_without_leaking_it(engine: Engine) ->
 async def test_seeded_sampling_is_reproducible(engine: Engine) -> None:
     prompt = chat(engine, "Write a sentence about cats.")
     first = await collect(submit(engine, prompt, max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=7))
-    second = await collect(submit(engine, prompt, max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=7))
+    second = await collect(
+        submit(engine, prompt, max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=7)
+    )
     assert first[1] == second[1]
 
 
@@ -131,7 +143,9 @@ async def test_prompt_started_reports_reuse(engine: Engine) -> None:
     _, tokens, _ = await collect(engine.submit(request))
     follow_up = [*prompt, *tokens, *engine.model.tokenizer.encode("\n<|im_start|>user\nAnother?<|im_end|>\n")]
     started = None
-    async for event in engine.submit(GenerationRequest("r2", follow_up, SamplingParams(max_tokens=4), agent_id="fruit")):
+    async for event in engine.submit(
+        GenerationRequest("r2", follow_up, SamplingParams(max_tokens=4), agent_id="fruit")
+    ):
         if isinstance(event, PromptStarted):
             started = event
     assert started is not None

@@ -32,7 +32,11 @@ def test_stream_and_non_stream_through_the_openai_sdk(server, default_model_dir:
     client = client_for(server)
     chunks = list(
         client.chat.completions.create(
-            model="default", messages=QUESTION, stream=True, temperature=0, stream_options={"include_usage": True}
+            model="default",
+            messages=QUESTION,
+            stream=True,
+            temperature=0,
+            stream_options={"include_usage": True},
         )
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -51,9 +55,13 @@ def test_bad_requests_get_openai_errors(server) -> None:  # type: ignore[no-unty
     with pytest.raises(openai.BadRequestError, match="only n=1"):
         client.chat.completions.create(model="default", messages=QUESTION, n=2)
     with pytest.raises(openai.BadRequestError, match="invalid agent id"):
-        client.chat.completions.create(model="default", messages=QUESTION, extra_headers={"x-agent-id": "../x"})
+        client.chat.completions.create(
+            model="default", messages=QUESTION, extra_headers={"x-agent-id": "../x"}
+        )
     with pytest.raises(openai.BadRequestError, match="tokens; the model's context holds 8192"):
-        client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hello " * 9000}])
+        client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "hello " * 9000}]
+        )
     with pytest.raises(openai.BadRequestError, match="invalid request body"):
         client.chat.completions.create(model="default", messages=[{"role": 3}])  # type: ignore[list-item]
 
@@ -61,37 +69,58 @@ def test_bad_requests_get_openai_errors(server) -> None:  # type: ignore[no-unty
 def test_session_resumes_across_a_restart(server_factory, server) -> None:  # type: ignore[no-untyped-def]
     client = client_for(server)
     messages = [{"role": "user", "content": "My name is Ada. Remember it."}]
-    first = client.chat.completions.create(model="default", messages=messages, temperature=0, max_tokens=16, extra_body={"session_id": "ada"})
-    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "What is my name?"}]
+    first = client.chat.completions.create(
+        model="default", messages=messages, temperature=0, max_tokens=16, extra_body={"session_id": "ada"}
+    )
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "What is my name?"},
+    ]
     assert server.stop() == 0  # SIGTERM flushes the cache
     assert "flushed 1 agent caches" in server.log()
     restarted = server_factory("--model", *server.args[1:], cache_dir=server.cache_dir).start()
     client = client_for(restarted)
-    warm = client.chat.completions.create(model="default", messages=messages, temperature=0, max_tokens=16, extra_body={"session_id": "ada"})
+    warm = client.chat.completions.create(
+        model="default", messages=messages, temperature=0, max_tokens=16, extra_body={"session_id": "ada"}
+    )
     assert warm.usage is not None and warm.usage.prompt_tokens_details is not None
     assert warm.usage.prompt_tokens_details.cached_tokens == first.usage.total_tokens  # type: ignore[union-attr]
-    cold = client.chat.completions.create(model="default", messages=messages, temperature=0, max_tokens=16, extra_body={"session_id": "cold"})
+    cold = client.chat.completions.create(
+        model="default", messages=messages, temperature=0, max_tokens=16, extra_body={"session_id": "cold"}
+    )
     assert cold.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
     assert warm.choices[0].message.content == cold.choices[0].message.content
 
 
-async def test_client_disconnects_free_batch_slots_and_blocks(default_model_dir: Path, tmp_path: Path) -> None:
-    config = SystemConfig(engine=EngineConfig(model=str(default_model_dir), cache_budget_mb=512), cache_dir=tmp_path)
+async def test_client_disconnects_free_batch_slots_and_blocks(
+    default_model_dir: Path, tmp_path: Path
+) -> None:
+    config = SystemConfig(
+        engine=EngineConfig(model=str(default_model_dir), cache_budget_mb=512), cache_dir=tmp_path
+    )
     app = create_app(config)
     async with TestServer(app, host="127.0.0.1") as test_server:
         engine = app[SYSTEM_KEY].engine
 
         async def state() -> tuple[int, int, int]:
-            return await engine.call(lambda e: (e._pool.num_free_blocks, len(e._running), len(e._generator._generation_batch)))
+            return await engine.call(
+                lambda e: (e._pool.num_free_blocks, len(e._running), len(e._generator._generation_batch))
+            )
 
         before = await state()
-        body = {"messages": [{"role": "user", "content": "Tell me a very long story."}], "stream": True, "max_tokens": 500}
+        body = {
+            "messages": [{"role": "user", "content": "Tell me a very long story."}],
+            "stream": True,
+            "max_tokens": 500,
+        }
 
         async def disconnect_mid_stream(session: aiohttp.ClientSession) -> None:
             async with session.post(test_server.make_url("/v1/chat/completions"), json=body) as response:
                 seen = 0
                 async for line in response.content:
-                    if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                    if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["delta"].get(
+                        "content"
+                    ):
                         seen += 1
                         if seen == 2:
                             return  # closes the connection mid-stream

@@ -51,7 +51,9 @@ def build_tiny_model(kind: str, dest: Path, tokenizer_dir: Path, seed: int = 0) 
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     # Larger embeddings make greedy choices decisive, so oracles do not hinge on ties.
-    weights = {name: value * 4 if "embed" in name else value for name, value in tree_flatten(model.parameters())}
+    weights = {
+        name: value * 4 if "embed" in name else value for name, value in tree_flatten(model.parameters())
+    }
     dest.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     (dest / "config.json").write_text(json.dumps(config))
