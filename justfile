@@ -34,7 +34,8 @@ fmt:
 
 # Run the benchmarks; figures go to bench/results/.
 bench:
-    {{fast}} {{py}} bench/batching.py
+    {{fast}} {{py}} -m bench.batching
+    {{fast}} {{py}} -m bench.agent_resume
 
 # Fetch and convert the default model into the user cache.
 fetch-model *ARGS:

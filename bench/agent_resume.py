@@ -1,0 +1,177 @@
+"""Time to first token for an agent returning with a ~2,000-token history and a 30-token new turn.
+
+Cold (no cache), warm (cache in memory) and from disk after a server restart, in one run; then the
+pool bytes of eight agents sharing a 1,000-token system prompt. Writes bench/results/agent_resume.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from actors.system import AgentSystem, SystemConfig
+from bench.common import Server, write_results
+from engine.default_model import ensure_default_model
+from engine.engine import EngineConfig
+from engine.sampling import SamplingParams
+
+PORT = 8792
+FACTS = [
+    "The river Thames flows through London.",
+    "Honey never spoils if kept sealed.",
+    "Octopuses have three hearts.",
+    "Mount Everest grows a few millimetres each year.",
+    "Bananas are berries but strawberries are not.",
+    "Venus spins in the opposite direction to Earth.",
+]
+
+
+def history_messages(num_turns: int) -> list[dict[str, str]]:
+    system = "You are a careful research assistant. " + " ".join(FACTS * 8)
+    messages = [{"role": "system", "content": system}]
+    for turn in range(num_turns):
+        messages.append(
+            {
+                "role": "user",
+                "content": f"Question {turn}: summarise fact {turn % 6} in detail. " + FACTS[turn % 6] * 3,
+            }
+        )
+        messages.append(
+            {
+                "role": "assistant",
+                "content": f"Fact {turn % 6}: " + " ".join(FACTS[(turn + i) % 6] for i in range(5)),
+            }
+        )
+    return messages
+
+
+NEW_TURN = {
+    "role": "user",
+    "content": "Now compare the first and the last fact in one careful sentence, please, and explain why.",
+}
+
+
+async def turn(session: aiohttp.ClientSession, agent: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    body = {
+        "messages": messages,
+        "stream": True,
+        "temperature": 0,
+        "max_tokens": 8,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    ttft = None
+    text = []
+    usage: dict[str, Any] = {}
+    async with session.post(
+        f"http://127.0.0.1:{PORT}/v1/chat/completions", json=body, headers={"x-agent-id": agent}
+    ) as response:
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk["choices"]:
+                if choice["delta"].get("content"):
+                    ttft = ttft or time.perf_counter() - start
+                    text.append(choice["delta"]["content"])
+    return {
+        "ttft_s": ttft,
+        "text": "".join(text),
+        "prompt_tokens": usage["prompt_tokens"],
+        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+    }
+
+
+async def cold_ttft(model_dir: Path, cache_dir: Path, messages: list[dict[str, str]]) -> dict[str, Any]:
+    """A fresh server with an empty cache: the whole prompt is prefilled."""
+    server = Server(PORT, cache_dir, "--model", str(model_dir))
+    try:
+        async with aiohttp.ClientSession() as session:
+            return await turn(session, "cold", messages)
+    finally:
+        server.stop()
+
+
+async def resume_figures(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
+    history = history_messages(20)
+    server = Server(PORT, cache_dir / "agents", "--model", str(model_dir))
+    try:
+        async with aiohttp.ClientSession() as session:
+            first = await turn(session, "returning", history)  # builds the agent's cache
+            returning = [*history, {"role": "assistant", "content": first["text"]}, NEW_TURN]
+            warm = await turn(session, "returning", returning)
+    finally:
+        server.stop()  # SIGTERM: flushes caches to disk
+    second = [*returning, {"role": "assistant", "content": warm["text"]}, NEW_TURN]
+    server = Server(PORT, cache_dir / "agents", "--model", str(model_dir))
+    try:
+        async with aiohttp.ClientSession() as session:
+            disk = await turn(session, "returning", second)
+    finally:
+        server.stop()
+    cold = await cold_ttft(model_dir, cache_dir / "cold-1", returning)
+    cold_second = await cold_ttft(model_dir, cache_dir / "cold-2", second)
+    return {
+        "history_tokens": first["prompt_tokens"],
+        "new_turn_tokens": warm["prompt_tokens"] - warm["cached_tokens"],
+        "cold": cold,
+        "warm": warm,
+        "disk_after_restart": disk,
+        "cold_same_prompt_as_disk": cold_second,
+        "warm_speedup": round(cold["ttft_s"] / warm["ttft_s"], 1),
+        "disk_speedup": round(cold_second["ttft_s"] / disk["ttft_s"], 1),
+        "outputs_match_cold": warm["text"] == cold["text"] and disk["text"] == cold_second["text"],
+    }
+
+
+async def sharing_figures(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
+    system = AgentSystem(
+        SystemConfig(engine=EngineConfig(model=str(model_dir)), cache_dir=cache_dir, persist_caches=False)
+    )
+    await system.start()
+    try:
+        tokenizer = system.engine.model.tokenizer
+        shared = "You are one of eight cooperating agents. " + " ".join(FACTS * 19)
+        used = []
+        for agent in range(8):
+            messages = [
+                {"role": "system", "content": shared},
+                {"role": "user", "content": f"Agent {agent}, say hello."},
+            ]
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            stream = await system.generate(f"agent-{agent}", prompt, SamplingParams(max_tokens=4))
+            async for _ in stream:
+                pass
+            used.append(await system.engine.call(lambda e: e._pool.used_bytes))
+        prompt_tokens = len(prompt)
+        block_bytes = system.engine.model.spec.bytes_per_block
+    finally:
+        await system.stop(flush=False)
+    return {
+        "shared_prompt_tokens": prompt_tokens,
+        "pool_bytes_after_each_agent": used,
+        "bytes_first_agent": used[0],
+        "bytes_per_additional_agent": (used[-1] - used[0]) / 7,
+        "bytes_if_unshared": used[0] * 8,
+        "bytes_per_block": block_bytes,
+    }
+
+
+def main() -> None:
+    model_dir = ensure_default_model()
+    with tempfile.TemporaryDirectory() as cache:
+        resume = asyncio.run(resume_figures(model_dir, Path(cache) / "a"))
+        sharing = asyncio.run(sharing_figures(model_dir, Path(cache) / "b"))
+    write_results("agent_resume", {"resume": resume, "shared_system_prompt": sharing})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Aggregate decode tokens/s at 1, 2, 4, 8 concurrent requests: our HTTP path vs raw BatchGenerator.
+
+Also samples /health/live latency while 8 requests decode. Writes bench/results/batching.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
+
+from bench.common import Server, write_results
+from engine.default_model import ensure_default_model
+
+CONCURRENCY = [1, 2, 4, 8]
+MAX_TOKENS = 96
+TOPICS = [
+    "the ocean",
+    "mountains",
+    "a city at night",
+    "a forest",
+    "the desert",
+    "rivers",
+    "the sky",
+    "winter",
+]
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Write a long essay about {TOPICS[i]}."}],
+            add_generation_prompt=True,
+        )
+        for i in range(n)
+    ]
+
+
+def raw_tokens_per_s(model, tokenizer, n: int) -> float:  # type: ignore[no-untyped-def]
+    generator = BatchGenerator(model, completion_batch_size=16, prefill_step_size=512)
+    start = time.perf_counter()
+    generator.insert(prompts(tokenizer, n), max_tokens=[MAX_TOKENS] * n)
+    generated, done = 0, 0
+    while done < n:
+        _, responses = generator.next()
+        for response in responses:
+            generated += 1
+            done += response.finish_reason is not None
+    return generated / (time.perf_counter() - start)
+
+
+async def http_tokens_per_s(url: str, tokenizer, n: int, health: list[float] | None = None) -> float:  # type: ignore[no-untyped-def]
+    async with aiohttp.ClientSession() as session:
+
+        async def one(i: int) -> int:
+            body = {
+                "messages": [{"role": "user", "content": f"Write a long essay about {TOPICS[i]}."}],
+                "stream": True,
+                "temperature": 0,
+                "max_tokens": MAX_TOKENS,
+                "stream_options": {"include_usage": True},
+            }
+            tokens = 0
+            async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+                async for line in response.content:
+                    if b'"usage"' in line:
+                        import json
+
+                        tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+            return tokens
+
+        async def probe(stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                start = time.perf_counter()
+                async with session.get(f"{url}/health/live") as response:
+                    await response.read()
+                assert health is not None
+                health.append((time.perf_counter() - start) * 1000)
+                await asyncio.sleep(0.05)
+
+        stop = asyncio.Event()
+        prober = asyncio.create_task(probe(stop)) if health is not None else None
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(i) for i in range(n)))
+        elapsed = time.perf_counter() - start
+        stop.set()
+        if prober:
+            await prober
+        return sum(counts) / elapsed
+
+
+def main() -> None:
+    model_dir = ensure_default_model()
+    model, tokenizer = load(str(model_dir))
+    raw_tokens_per_s(model, tokenizer, 1)  # warm-up
+    raw = {n: raw_tokens_per_s(model, tokenizer, n) for n in CONCURRENCY}
+    del model
+    with tempfile.TemporaryDirectory() as cache:
+        server = Server(8791, Path(cache), "--model", str(model_dir))
+        try:
+            asyncio.run(http_tokens_per_s(server.url, tokenizer, 1))  # warm-up
+            health: list[float] = []
+            http = {}
+            for n in CONCURRENCY:
+                http[n] = asyncio.run(http_tokens_per_s(server.url, tokenizer, n, health if n == 8 else None))
+        finally:
+            server.stop()
+    rows = {
+        n: {
+            "raw_tok_s": round(raw[n], 1),
+            "http_tok_s": round(http[n], 1),
+            "ratio": round(http[n] / raw[n], 3),
+        }
+        for n in CONCURRENCY
+    }
+    write_results(
+        "batching",
+        {
+            "max_tokens": MAX_TOKENS,
+            "aggregate_decode": rows,
+            "health_live_ms_while_8_decode": {
+                "p50": round(statistics.median(health), 2),
+                "max": round(max(health), 2),
+                "samples": len(health),
+            },
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
