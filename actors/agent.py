@@ -8,13 +8,17 @@ AgentStoppedError, so no caller waits forever.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from engine.chat_format import ChatMessage
 from engine.engine import RequestStream
-from engine.messages import GenerationRequest
+from engine.messages import Finished, FinishReason, GenerationRequest
+from engine.sampling import SamplingParams
+from storage.conversation_file import ConversationRecord
 
 if TYPE_CHECKING:
     from actors.system import AgentSystem
@@ -38,6 +42,22 @@ class Generate:
 
 
 @dataclass(frozen=True, slots=True)
+class Converse:
+    """A stateful turn: the actor appends `messages` to the conversation it keeps, as token ids."""
+
+    messages: list[ChatMessage]
+    sampling: SamplingParams
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    """Start (or restart) the kept conversation with a system prompt."""
+
+    system: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class Evict:
     pass
 
@@ -47,7 +67,7 @@ class Stop:
     pass
 
 
-Message = Generate | Evict | Stop
+Message = Generate | Converse | Open | Evict | Stop
 
 
 class Envelope:
@@ -67,6 +87,8 @@ class AgentActor:
         self._mailbox: asyncio.Queue[Envelope] = asyncio.Queue()
         self._stopped = False
         self.num_turns = 0
+        # The direct API's conversation; None until first needed (then loaded from disk or new).
+        self.conversation: ConversationRecord | None = None
 
     @property
     def is_stopped(self) -> bool:
@@ -120,20 +142,53 @@ class AgentActor:
     async def _dispatch(self, message: Message, reply: asyncio.Future[Any] | None) -> Any:
         match message:
             case Generate(request=request):
-                request.agent_id = self.agent_id
-                if await self.system.restore_from_disk(self.agent_id):
-                    request.cache_tier_hint = "disk"
-                stream: RequestStream = self.system.engine.submit(request)
-                self.num_turns += 1
-                if reply is not None and not reply.done():
-                    reply.set_result(stream)
-                # One turn at a time: the next message waits until the engine is done with this one.
+                stream = await self._submit(request, reply)
                 await asyncio.shield(stream.done)
                 return stream
+            case Converse(messages=messages, sampling=sampling, request_id=request_id):
+                conversation = await self._conversation()
+                chat = self.system.chat_format
+                if conversation.token_ids:
+                    suffix = chat.continuation(conversation.system, messages)
+                else:
+                    suffix = chat.opening(conversation.system, messages)
+                prompt = conversation.token_ids + chat.encode(suffix)
+                stream = await self._submit(GenerationRequest(request_id, prompt, sampling), reply)
+                final = await asyncio.shield(stream.done)
+                if isinstance(final, Finished) and final.reason is not FinishReason.CANCELLED:
+                    generated = list(final.generated_token_ids)
+                    if generated and generated[-1] in self.system.engine.model.eos_token_ids:
+                        generated.pop()  # the continuation writes the end of the turn itself
+                    conversation.token_ids = prompt + generated
+                    conversation.num_turns += 1
+                    await self.system.save_conversation(self.agent_id, conversation)
+                return stream
+            case Open(system=system_prompt):
+                self.conversation = ConversationRecord(system=system_prompt, created_at=time.time())
+                await self.system.save_conversation(self.agent_id, self.conversation)
+                return self.conversation
             case Evict():
                 return await self.system.evict_to_disk(self.agent_id)
             case Stop():
                 return None
+
+    async def _submit(self, request: GenerationRequest, reply: asyncio.Future[Any] | None) -> RequestStream:
+        request.agent_id = self.agent_id
+        if await self.system.restore_from_disk(self.agent_id):
+            request.cache_tier_hint = "disk"
+        stream = self.system.engine.submit(request)
+        self.num_turns += 1
+        # The asker gets the stream now; the actor's next message waits until this turn is done.
+        if reply is not None and not reply.done():
+            reply.set_result(stream)
+        return stream
+
+    async def _conversation(self) -> ConversationRecord:
+        if self.conversation is None:
+            self.conversation = await self.system.load_conversation(self.agent_id) or ConversationRecord(
+                created_at=time.time()
+            )
+        return self.conversation
 
     def _fail_queued(self) -> None:
         while not self._mailbox.empty():

@@ -12,20 +12,23 @@ Usable from any asyncio program without HTTP:
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from loguru import logger
 
-from actors.agent import AgentActor, Evict, Generate
+from actors.agent import AgentActor, Converse, Evict, Generate, Open
 from actors.identity import validate_agent_id
 from engine.agent_cache import CacheSnapshot
+from engine.chat_format import ChatFormat, ChatMessage
 from engine.default_model import user_cache_dir
 from engine.engine import Engine, EngineConfig, RequestStream
 from engine.messages import GenerationRequest
 from engine.sampling import SamplingParams
 from storage.cache_file import CacheIdentity, SerializedCache, from_tensors, to_tensors
+from storage.conversation_file import ConversationRecord
 from storage.persistence import PersistenceActor
 
 
@@ -53,10 +56,17 @@ class AgentSystem:
         self._agents: dict[str, AgentActor] = {}
         self._group: asyncio.TaskGroup | None = None
         self._pending_writes: set[asyncio.Task[list[str]]] = set()
+        self._chat_format: ChatFormat | None = None
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        assert self._chat_format is not None, "chat_format used before start(): caller bug"
+        return self._chat_format
 
     async def start(self) -> None:
         await self.engine.start()
         loaded = self.engine.model
+        self._chat_format = ChatFormat(loaded.tokenizer)
         if self.config.persist_caches:
             identity = CacheIdentity(
                 loaded.name, loaded.fingerprint, loaded.spec.block_size, loaded.spec.to_dict()
@@ -157,15 +167,44 @@ class AgentSystem:
 
         return await self.persistence.save(await self.engine.call(snapshot_all))
 
-    async def forget_agent(self, agent_id: str) -> None:
-        """Drop an agent's cache from memory and disk."""
+    async def forget_agent(self, agent_id: str) -> bool:
+        """Stop the agent and drop its cache and conversation from memory and disk; False if unknown."""
+        known = agent_id in self._agents or any(a.agent_id == agent_id for a in await self.list_agents())
+        actor = self._agents.pop(agent_id, None)
+        if actor is not None:
+            actor.stop_nowait()
         await self.engine.call(lambda e: e.store.drop(agent_id))
         if self.persistence is not None:
             await self.persistence.delete(agent_id)
+        return known
+
+    async def converse(
+        self,
+        agent_id: str,
+        messages: list[ChatMessage],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """A stateful turn: the agent keeps the conversation; send only what is new."""
+        stream: RequestStream = await self.agent(agent_id).ask(
+            Converse(messages, sampling, request_id or uuid.uuid4().hex)
+        )
+        return stream
+
+    async def open_agent(self, agent_id: str, system_prompt: str | None) -> None:
+        """Create (or reset) an agent's kept conversation with a system prompt."""
+        await self.agent(agent_id).ask(Open(system_prompt))
+
+    async def save_conversation(self, agent_id: str, record: ConversationRecord) -> None:
+        if self.persistence is not None:
+            await self.persistence.save_conversation(agent_id, record)
+
+    async def load_conversation(self, agent_id: str) -> ConversationRecord | None:
+        if self.persistence is None:
+            return None
+        return await self.persistence.load_conversation(agent_id)
 
     async def list_agents(self) -> list[AgentInfo]:
-        import time
-
         def in_memory(engine: Engine) -> list[AgentInfo]:
             now = time.monotonic()
             return [
@@ -176,7 +215,11 @@ class AgentSystem:
         infos = {info.agent_id: info for info in await self.engine.call(in_memory)}
         if self.persistence is not None:
             for agent_id in self.persistence.agent_ids_on_disk - infos.keys():
-                infos[agent_id] = AgentInfo(agent_id, 0, "disk", None)
+                cache_on_disk = self.persistence.is_on_disk(agent_id)
+                infos[agent_id] = AgentInfo(agent_id, 0, "disk" if cache_on_disk else "none", None)
+        for agent_id, actor in self._agents.items():
+            if agent_id not in infos and actor.conversation is not None:
+                infos[agent_id] = AgentInfo(agent_id, 0, "none", None)
         return sorted(infos.values(), key=lambda info: info.agent_id)
 
     def _write_evicted(self, caches: list[SerializedCache]) -> None:

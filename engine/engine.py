@@ -93,7 +93,7 @@ class _Running:
     text: TextStream
     reserved_block_ids: list[int]
     num_cached_tokens: int
-    num_generated: int = 0
+    generated_token_ids: list[int] = field(default_factory=list)
     outbox: list[Event] = field(default_factory=list)
 
 
@@ -107,8 +107,8 @@ class RequestStream:
         self.finished: Finished | None = None
 
     @property
-    def done(self) -> asyncio.Future[None]:
-        """Resolves when the engine is finished with this request, whoever reads the stream."""
+    def done(self) -> asyncio.Future[Finished | BaseException]:
+        """Resolves with the last event when the engine is done with this request, whoever reads."""
         return self._events.done
 
     def cancel(self) -> None:
@@ -433,7 +433,7 @@ class Engine:
             running = self._running.get(response.uid)
             if running is None:
                 continue
-            running.num_generated += 1
+            running.generated_token_ids.append(response.token)
             self.stats.num_generated_tokens += 1
             text = running.text.add_token(response.token)
             running.outbox.append(TokenDelta([response.token], text))
@@ -473,7 +473,8 @@ class Engine:
                 running.text.stop_hit,
                 len(running.request.prompt_tokens),
                 running.num_cached_tokens,
-                running.num_generated,
+                len(running.generated_token_ids),
+                running.generated_token_ids,
             )
         )
         self._post_many(running.events, running.outbox)

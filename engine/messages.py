@@ -53,6 +53,7 @@ class Finished:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_generated_tokens: int
+    generated_token_ids: list[int] = field(default_factory=list)
 
 
 Event = PromptStarted | PromptProgress | TokenDelta | Finished | BaseException
@@ -65,12 +66,12 @@ class EventChannel:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.done: asyncio.Future[None] = loop.create_future()
+        self.done: asyncio.Future[Finished | BaseException] = loop.create_future()
 
     def put(self, event: Event) -> None:
         self.queue.put_nowait(event)
         if isinstance(event, Finished | BaseException) and not self.done.done():
-            self.done.set_result(None)
+            self.done.set_result(event)
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from actors.system import AgentSystem, SystemConfig
-from protocols import openai
+from protocols import agents, openai
 from protocols.common import SETTINGS_KEY, SYSTEM_KEY, ServerSettings
 
 
@@ -41,4 +41,5 @@ def create_app(config: SystemConfig, settings: ServerSettings | None = None) -> 
     app.router.add_get("/health/ready", health_ready)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/chat/completions", openai.chat_completions)
+    agents.add_routes(app)
     return app

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,25 @@ def _checksum(tensors: dict[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
+def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """Write through a temp file, fsync it, rename it over `path`, fsync the directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_cache_file(path: Path, cache: SerializedCache, identity: CacheIdentity) -> int:
     """Worker thread: write atomically (temp file, fsync, rename). Returns the file size."""
     metadata = {
@@ -115,21 +135,7 @@ def write_cache_file(path: Path, cache: SerializedCache, identity: CacheIdentity
         "num_tokens": str(cache.num_tokens),
         "checksum": _checksum(cache.tensors),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        save_file(cache.tensors, str(tmp), metadata=metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    replace_atomically(path, lambda tmp: save_file(cache.tensors, str(tmp), metadata=metadata))
     return path.stat().st_size
 
 

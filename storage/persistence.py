@@ -23,8 +23,10 @@ from storage.cache_file import (
     read_cache_file,
     write_cache_file,
 )
+from storage.conversation_file import ConversationRecord, read_conversation, write_conversation
 
 SUFFIX = ".safetensors"
+CONVERSATION_SUFFIX = ".conversation.json"
 T = TypeVar("T")
 
 
@@ -35,13 +37,15 @@ class PersistenceActor:
         self.quarantine_dir = cache_dir / "quarantine"
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semantic-persist")
         self._on_disk: set[str] = set()
+        self._conversations: set[str] = set()
         self.num_writes = 0
         self.num_loads = 0
         self.num_quarantined = 0
         self.last_write_s = 0.0
 
     async def start(self) -> None:
-        self._on_disk = await self._run(self._scan)
+        self._on_disk = await self._run(self._scan, SUFFIX)
+        self._conversations = await self._run(self._scan, CONVERSATION_SUFFIX)
 
     async def stop(self) -> None:
         await asyncio.to_thread(self._executor.shutdown, wait=True)
@@ -54,7 +58,8 @@ class PersistenceActor:
 
     @property
     def agent_ids_on_disk(self) -> set[str]:
-        return set(self._on_disk)
+        """Agents with a cache file or a kept conversation on disk."""
+        return self._on_disk | self._conversations
 
     async def save(self, caches: list[SerializedCache]) -> list[str]:
         """Write caches; returns the agent ids written. A failed write is logged and leaves no file."""
@@ -88,17 +93,33 @@ class PersistenceActor:
 
     async def delete(self, agent_id: str) -> None:
         self._on_disk.discard(agent_id)
-        await self._run(lambda: self.path_for(agent_id).unlink(missing_ok=True))
+        self._conversations.discard(agent_id)
+
+        def unlink() -> None:
+            self.path_for(agent_id).unlink(missing_ok=True)
+            self.conversation_path_for(agent_id).unlink(missing_ok=True)
+
+        await self._run(unlink)
+
+    def conversation_path_for(self, agent_id: str) -> Path:
+        return self.agents_dir / f"{agent_id}{CONVERSATION_SUFFIX}"
+
+    async def save_conversation(self, agent_id: str, record: ConversationRecord) -> None:
+        await self._run(write_conversation, self.conversation_path_for(agent_id), record)
+        self._conversations.add(agent_id)
+
+    async def load_conversation(self, agent_id: str) -> ConversationRecord | None:
+        return await self._run(read_conversation, self.conversation_path_for(agent_id))
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def _scan(self) -> set[str]:
+    def _scan(self, suffix: str) -> set[str]:
         if not self.agents_dir.exists():
             return set()
         return {
-            p.name.removesuffix(SUFFIX)
-            for p in self.agents_dir.glob(f"*{SUFFIX}")
+            p.name.removesuffix(suffix)
+            for p in self.agents_dir.glob(f"*{suffix}")
             if not p.name.startswith(".")
         }
 

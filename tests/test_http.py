@@ -69,8 +69,9 @@ def test_bad_requests_get_openai_errors(server) -> None:  # type: ignore[no-unty
 @pytest.mark.parametrize("model", ["default"])
 def test_session_resumes_across_a_restart(server_factory, default_model_dir, tiny_model_dirs, model) -> None:  # type: ignore[no-untyped-def]
     model_dir = default_model_dir if model == "default" else tiny_model_dirs[model]
-    # A random-weight model's multi-token replies need not re-tokenise to the same ids once sent
-    # back as text; one generated token keeps the resent history token-identical.
+    # A random-weight model's replies need not re-tokenise to the same ids once sent back as text;
+    # the sliding-window model's restart oracle runs through the kept-conversation API instead
+    # (tests/test_agents_api.py).
     max_tokens = 16 if model == "default" else 1
     server = server_factory("--model", str(model_dir), "--cache-budget-mb", "512").start()
     client = client_for(server)

@@ -1,0 +1,151 @@
+"""Chat messages to prompt token ids through the model's own chat template.
+
+Every protocol converts its wire messages to one form, the Hugging Face chat form: dicts with
+`role` and string `content`, assistant `tool_calls` as `{"type": "function", "function": {"name",
+"arguments": dict}}` and tool results as `role: "tool"`. Templates that know nothing of tools get
+them Hermes-style: the tool list in the system message, calls as `<tool_call>` JSON and results as
+`<tool_response>` user turns, which is also the form our tool-call parser reads back.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+ChatMessage = dict[str, Any]
+
+_MARKER = "\u2063semantic-turn-marker\u2063"
+
+_TOOL_INSTRUCTIONS = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template rejected the messages."""
+
+
+class ChatFormat:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None) or ""
+        self.template_knows_tools = "tools" in template
+        self.tool_call_opener = "<tool_call>\n" if "[TOOL_CALLS]" not in template else "[TOOL_CALLS]["
+        if self.template_knows_tools and "<tool_call>" not in template and "parameters" in template:
+            self.tool_call_opener = ""  # Llama 3.x: a bare JSON object is the call
+
+    def render(
+        self,
+        messages: list[ChatMessage],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        kwargs: dict[str, Any] = {}
+        if tools and self.template_knows_tools:
+            kwargs["tools"] = tools
+        else:
+            messages = _hermes_messages(messages, tools)
+        try:
+            text: str = self.tokenizer.apply_chat_template(
+                _merge_consecutive(messages),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except Exception as error:
+            raise ChatTemplateError(f"the model's chat template rejected the messages: {error}") from error
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of rendered text; the template already wrote any BOS."""
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
+
+    def prompt_tokens(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None, prefill: str = ""
+    ) -> list[int]:
+        return self.encode(self.render(messages, tools) + prefill)
+
+    def continuation(self, system: str | None, new_messages: list[ChatMessage]) -> str:
+        """The text that follows a finished assistant turn to add `new_messages` and open the next one.
+
+        Rendered around a marker reply, so whatever the template puts between turns (end-of-turn
+        tokens, headers) comes out exactly as it would in a full render.
+        """
+        head: list[ChatMessage] = [{"role": "system", "content": system}] if system else []
+        head += [{"role": "user", "content": "."}, {"role": "assistant", "content": _MARKER}]
+        text = self.render(head + new_messages)
+        at = text.rfind(_MARKER)
+        if at < 0:
+            raise ChatTemplateError("the model's chat template drops assistant turns; cannot continue")
+        return text[at + len(_MARKER) :]
+
+    def opening(self, system: str | None, new_messages: list[ChatMessage]) -> str:
+        """The whole prompt of a conversation's first turn."""
+        head: list[ChatMessage] = [{"role": "system", "content": system}] if system else []
+        return self.render(head + new_messages)
+
+
+def _merge_consecutive(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """Join back-to-back user turns and move late system messages into them (templates demand
+    alternating roles and a single leading system message)."""
+    merged: list[ChatMessage] = []
+    for index, message in enumerate(messages):
+        role = message["role"]
+        if role == "system" and index > 0:
+            message = {"role": "user", "content": message.get("content") or ""}
+            role = "user"
+        previous = merged[-1] if merged else None
+        if (
+            previous is not None
+            and role == "user"
+            and previous["role"] == "user"
+            and isinstance(previous.get("content"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            merged[-1] = {**previous, "content": previous["content"] + "\n\n" + message["content"]}
+        else:
+            merged.append(message)
+    return merged
+
+
+def _hermes_messages(messages: list[ChatMessage], tools: list[dict[str, Any]] | None) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
+    for message in messages:
+        role = message["role"]
+        if role == "assistant" and message.get("tool_calls"):
+            calls = "\n".join(
+                "<tool_call>\n"
+                + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                + "\n</tool_call>"
+                for c in message["tool_calls"]
+            )
+            content = message.get("content") or ""
+            out.append({"role": "assistant", "content": f"{content}\n{calls}" if content else calls})
+        elif role == "tool":
+            out.append(
+                {
+                    "role": "user",
+                    "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>",
+                }
+            )
+        else:
+            out.append({"role": role, "content": message.get("content") or ""})
+    if tools:
+        listing = _TOOL_INSTRUCTIONS.format(tools="\n".join(json.dumps(tool) for tool in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{listing}"}
+        else:
+            out.insert(0, {"role": "system", "content": listing})
+    return out

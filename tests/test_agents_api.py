@@ -1,0 +1,118 @@
+"""The direct agent API on a real server process: stateful turns, listing, eviction, restarts."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlx_lm import load, stream_generate
+
+
+def call(server, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:  # type: ignore[no-untyped-def]
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        server.base_url + path, data=data, method=method, headers={"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            raw = reply.read()
+            status = reply.status
+    except urllib.error.HTTPError as error:
+        raw, status = error.read(), error.code
+    if raw.startswith(b"event:"):
+        return status, raw.decode()
+    return status, json.loads(raw)
+
+
+def conversation_tokens(cache_dir: Path, agent_id: str, num_turns: int) -> list[int]:
+    """The kept conversation once its record shows `num_turns` (written just after each reply)."""
+    for _ in range(100):
+        for path in cache_dir.glob(f"agents/*/{agent_id}.conversation.json"):
+            record = json.loads(path.read_text())
+            if record["num_turns"] == num_turns:
+                tokens: list[int] = record["token_ids"]
+                return tokens
+        time.sleep(0.05)
+    raise AssertionError(f"the conversation of {agent_id} never reached {num_turns} turns")
+
+
+@pytest.mark.parametrize("model", ["default", "gemma3"])
+def test_kept_conversation_resumes_token_exactly_after_a_restart(  # type: ignore[no-untyped-def]
+    server_factory, default_model_dir: Path, tiny_model_dirs: dict[str, Path], model: str
+) -> None:
+    model_dir = default_model_dir if model == "default" else tiny_model_dirs[model]
+    server = server_factory("--model", str(model_dir), "--cache-budget-mb", "512").start()
+    status, created = call(
+        server, "POST", "/v1/agents", {"id": "ada", "system": "You are a terse assistant."}
+    )
+    assert status == 201 and created["id"] == "ada"
+    options = {"max_tokens": 12, "temperature": 0}
+    status, first = call(server, "POST", "/v1/agents/ada/messages", {"content": "My name is Ada.", **options})
+    assert status == 200 and first["usage"]["cached_tokens"] == 0
+    status, second = call(
+        server, "POST", "/v1/agents/ada/messages", {"content": "What is my name?", **options}
+    )
+    history = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"]
+    assert second["usage"]["cache_tier"] == "memory"
+    assert second["usage"]["cached_tokens"] >= history - 1  # all but an unfed final token
+    assert server.stop() == 0
+    assert "flushed 1 agent caches" in server.log()
+
+    restarted = server_factory(*server.args, cache_dir=server.cache_dir).start()
+    status, listing = call(restarted, "GET", "/v1/agents")
+    assert [(a["id"], a["tier"]) for a in listing["data"]] == [("ada", "disk")]
+    before = conversation_tokens(restarted.cache_dir, "ada", 2)
+    status, third = call(
+        restarted, "POST", "/v1/agents/ada/messages", {"content": "Say it again.", **options}
+    )
+    assert status == 200, third
+    usage = third["usage"]
+    assert usage["cache_tier"] == "disk" and usage["cached_tokens"] >= len(before) - 1
+    after = conversation_tokens(restarted.cache_dir, "ada", 3)
+    prompt = after[: usage["prompt_tokens"]]
+    assert prompt[: len(before)] == before  # the server continued the kept tokens, not a re-render
+
+    # Oracle: what a cold model produces for the same full prompt, in this process.
+    cold_model, tokenizer = load(str(model_dir))
+    eos = set(tokenizer.eos_token_ids)
+    steps = stream_generate(cold_model, tokenizer, prompt, max_tokens=options["max_tokens"])
+    cold = [step.token for step in steps if step.token not in eos]
+    assert after[usage["prompt_tokens"] :] == cold
+    restarted.stop()
+
+
+def test_agent_lifecycle_and_errors(server_factory, default_model_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    server = server_factory("--model", str(default_model_dir), "--cache-budget-mb", "256").start()
+    assert call(server, "POST", "/v1/agents", {"id": "../x"})[0] == 400
+    status, created = call(server, "POST", "/v1/agents", {})
+    assert status == 201 and created["id"].startswith("agent-")
+    assert call(server, "POST", "/v1/agents", {"id": created["id"]})[0] == 409
+    status, body = call(server, "POST", f"/v1/agents/{created['id']}/messages", {})
+    assert status == 400 and "content" in body["error"]["message"]
+    status, body = call(server, "POST", f"/v1/agents/{created['id']}/messages", {"content": "x", "top_p": 2})
+    assert status == 400 and "top_p" in body["error"]["message"]
+
+    status, streamed = call(
+        server,
+        "POST",
+        "/v1/agents/sse/messages",
+        {"content": "What is 2+2?", "stream": True, "max_tokens": 8},
+    )
+    events = [block.split("\n")[0].removeprefix("event: ") for block in streamed.strip().split("\n\n")]
+    assert events[0] == "start" and events[-1] == "done" and set(events[1:-1]) == {"delta"}
+    done = json.loads(streamed.strip().split("\n\n")[-1].split("data: ", 1)[1])
+    assert done["finish_reason"] in {"stop", "length"} and done["usage"]["completion_tokens"] > 0
+
+    status, info = call(server, "GET", "/v1/agents/sse")
+    assert status == 200 and info["tier"] == "memory" and info["cached_tokens"] > 0
+    assert call(server, "POST", "/v1/agents/sse/evict")[1]["evicted"] is True
+    assert call(server, "GET", "/v1/agents/sse")[1]["tier"] == "disk"
+    assert call(server, "DELETE", "/v1/agents/sse")[0] == 200
+    assert call(server, "GET", "/v1/agents/sse")[0] == 404
+    assert call(server, "DELETE", "/v1/agents/sse")[0] == 404
+    assert not list(server.cache_dir.glob("agents/*/sse.*"))
