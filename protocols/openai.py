@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -9,11 +10,23 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 
+from actors.agent import AgentStoppedError, MailboxFullError
 from actors.identity import InvalidAgentIdError, agent_id_from
+from engine.chat_format import ChatMessage as TemplateMessage
+from engine.chat_format import ChatTemplateError
 from engine.engine import PromptTooLongError
-from engine.messages import Finished, FinishReason, PromptStarted, TokenDelta
+from engine.messages import Finished, FinishReason, PromptStarted
 from engine.sampling import SamplingParams
-from protocols.common import SETTINGS_KEY, SYSTEM_KEY, ServerSettings, sse_response
+from protocols.common import (
+    SETTINGS_KEY,
+    SYSTEM_KEY,
+    ServerSettings,
+    UnknownModelError,
+    parsed_events,
+    resolve_model,
+    sse_response,
+)
+from protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallParser, ToolCallStart
 
 _FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
 
@@ -23,10 +36,43 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionSpec(msgspec.Struct):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ToolSpec(msgspec.Struct):
+    function: FunctionSpec
+    type: str = "function"
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    function: NamedFunction
+    type: str = "function"
 
 
 class StreamOptions(msgspec.Struct):
@@ -47,6 +93,8 @@ class ChatCompletionRequest(msgspec.Struct):
     n: int = 1
     session_id: str | None = None
     stream_options: StreamOptions | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 class PromptTokensDetails(msgspec.Struct):
@@ -62,7 +110,8 @@ class Usage(msgspec.Struct):
 
 class AssistantMessage(msgspec.Struct):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class Choice(msgspec.Struct):
@@ -80,9 +129,22 @@ class ChatCompletion(msgspec.Struct):
     object: Literal["chat.completion"] = "chat.completion"
 
 
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    index: int
+    function: FunctionDelta
+    id: str | None = None
+    type: str | None = None
+
+
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(msgspec.Struct):
@@ -128,6 +190,46 @@ def _text_of(message: ChatMessage) -> str:
     return "".join(part.text or "" for part in message.content if part.type == "text")
 
 
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def to_chat_messages(messages: list[ChatMessage]) -> list[TemplateMessage]:
+    chat: list[TemplateMessage] = []
+    for message in messages:
+        entry: TemplateMessage = {"role": message.role, "content": _text_of(message)}
+        if message.tool_calls:
+            entry["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in message.tool_calls
+            ]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        chat.append(entry)
+    return chat
+
+
+def _forced_prefix(body: ChatCompletionRequest, opener: str) -> str:
+    if not body.tools or body.tool_choice in (None, "auto", "none"):
+        return ""
+    arguments_key = "parameters" if opener == "" else "arguments"
+    names = [tool.function.name for tool in body.tools]
+    if isinstance(body.tool_choice, NamedToolChoice) or len(names) == 1:
+        name = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else names[0]
+        return f'{opener}{{"name": "{name}", "{arguments_key}": '
+    return f'{opener}{{"name": "'
+
+
 def _sampling(body: ChatCompletionRequest, settings: ServerSettings) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     max_tokens = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
@@ -150,6 +252,10 @@ def _usage(finished: Finished) -> Usage:
     )
 
 
+def _finish_reason(finished: Finished, called_tool: bool) -> str:
+    return "tool_calls" if called_tool else _FINISH_REASONS[finished.reason]
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     system = request.app[SYSTEM_KEY]
     settings = request.app[SETTINGS_KEY]
@@ -164,81 +270,88 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if not body.messages:
         return error_response(400, "messages must not be empty", param="messages")
     try:
+        model_name = resolve_model(body.model, system.engine.model.name, settings)
+    except UnknownModelError as error:
+        return error_response(404, str(error), kind="model_not_found", param="model")
+    try:
         agent_id = agent_id_from(request.headers, body.session_id)
         sampling = _sampling(body, settings)
     except (InvalidAgentIdError, ValueError) as error:
         return error_response(400, str(error))
-    tokenizer = system.engine.model.tokenizer
-    messages = [{"role": m.role, "content": _text_of(m)} for m in body.messages]
+    chat = system.chat_format
+    tools = [msgspec.to_builtins(tool) for tool in body.tools] if body.tools else None
+    prefix = _forced_prefix(body, chat.tool_call_opener)
     try:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except Exception as error:
-        return error_response(
-            400, f"the model's chat template rejected the messages: {error}", param="messages"
-        )
-    try:
+        prompt = chat.prompt_tokens(to_chat_messages(body.messages), tools, prefill=prefix)
         stream = await system.generate(agent_id, prompt, sampling)
-    except PromptTooLongError as error:
+    except (ChatTemplateError, PromptTooLongError) as error:
         return error_response(400, str(error), param="messages")
+    except MailboxFullError as error:
+        return error_response(429, str(error), kind="rate_limit_exceeded")
+    except AgentStoppedError as error:
+        return error_response(503, str(error), kind="server_error")
+    parser = ToolCallParser(enabled=tools is not None and body.tool_choice != "none")
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    model_name = system.engine.model.name
     if not body.stream:
-        parts: list[str] = []
+        texts: list[str] = []
+        calls: list[ToolCall] = []
         finished: Finished | None = None
         try:
-            async for event in stream:
-                if isinstance(event, TokenDelta):
-                    parts.append(event.text)
+            async for event in parsed_events(stream, parser, prefix):
+                if isinstance(event, TextPart):
+                    texts.append(event.text)
+                elif isinstance(event, ToolCallEnd):
+                    calls.append(ToolCall(_call_id(), FunctionCall(event.name, json.dumps(event.arguments))))
                 elif isinstance(event, Finished):
                     finished = event
         except ValueError as error:
             return error_response(400, str(error))
         except Exception as error:
             return error_response(500, f"generation failed: {error}", kind="server_error")
-        assert finished is not None
-        choice = Choice(0, AssistantMessage("assistant", "".join(parts)), _FINISH_REASONS[finished.reason])
+        assert finished is not None, "stream ended without Finished: engine bug"
+        text = "".join(texts)
+        message = AssistantMessage("assistant", text if text.strip() or not calls else None, calls or None)
+        choice = Choice(0, message, _finish_reason(finished, bool(calls)))
         completion = ChatCompletion(completion_id, created, model_name, [choice], _usage(finished))
         return web.Response(body=_encode(completion), content_type="application/json")
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     response = await sse_response(request)
 
-    async def send(chunk: ChatCompletionChunk) -> None:
+    async def send(delta: Delta | None, finish_reason: str | None = None, usage: Usage | None = None) -> None:
+        choices = [] if delta is None else [ChunkChoice(0, delta, finish_reason)]
+        chunk = ChatCompletionChunk(completion_id, created, model_name, choices, usage=usage)
         await response.write(b"data: " + _encode(chunk) + b"\n\n")
 
+    num_calls = 0
     try:
-        async for event in stream:
-            if isinstance(event, PromptStarted):
-                await send(
-                    ChatCompletionChunk(
-                        completion_id,
-                        created,
-                        model_name,
-                        [ChunkChoice(0, Delta(role="assistant", content=""), None)],
-                    )
-                )
-            elif isinstance(event, TokenDelta) and event.text:
-                await send(
-                    ChatCompletionChunk(
-                        completion_id, created, model_name, [ChunkChoice(0, Delta(content=event.text), None)]
-                    )
-                )
-            elif isinstance(event, Finished):
-                reason = _FINISH_REASONS[event.reason]
-                await send(
-                    ChatCompletionChunk(completion_id, created, model_name, [ChunkChoice(0, Delta(), reason)])
-                )
-                if include_usage:
-                    await send(
-                        ChatCompletionChunk(completion_id, created, model_name, [], usage=_usage(event))
-                    )
+        async for event in parsed_events(stream, parser, prefix):
+            match event:
+                case PromptStarted():
+                    await send(Delta(role="assistant", content=""))
+                case TextPart(text=text) if text:
+                    await send(Delta(content=text))
+                case ToolCallStart(index=index, name=name):
+                    num_calls += 1
+                    call = ToolCallDelta(index, FunctionDelta(name=name), id=_call_id(), type="function")
+                    await send(Delta(tool_calls=[call]))
+                case ToolArgumentsDelta(index=index, json_text=json_text):
+                    await send(Delta(tool_calls=[ToolCallDelta(index, FunctionDelta(arguments=json_text))]))
+                case Finished():
+                    await send(Delta(), _finish_reason(event, num_calls > 0))
+                    if include_usage:
+                        await send(None, usage=_usage(event))
         await response.write(b"data: [DONE]\n\n")
     except Exception as error:  # the stream has started: report in-band, then end it
         detail = ErrorBody(ErrorDetail(message=str(error), type="server_error"))
         await response.write(b"data: " + _encode(detail) + b"\n\n")
     await response.write_eof()
     return response
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def model_list(system: Any) -> dict[str, Any]:
