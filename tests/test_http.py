@@ -134,3 +134,49 @@ async def test_client_disconnects_free_batch_slots_and_blocks(
                 break
             await asyncio.sleep(0.05)
         assert await state() == before
+
+
+PARIS = '{"city": "Paris"}'
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_tool_calls_through_the_openai_sdk(server) -> None:  # type: ignore[no-untyped-def]
+    client = client_for(server)
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    options = {"model": "gpt-4o", "temperature": 0, "max_tokens": 48, "tools": [WEATHER_TOOL]}
+    reply = client.chat.completions.create(messages=ask, tool_choice="required", **options)  # type: ignore[call-overload]
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+
+    chunks = list(
+        client.chat.completions.create(messages=ask, tool_choice="required", stream=True, **options)
+    )  # type: ignore[call-overload]
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    answer = client.chat.completions.create(  # type: ignore[call-overload]
+        messages=[
+            *ask,
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": PARIS}},
+            ]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 22 C"},
+        ],
+        **options,
+    )  # fmt: skip
+    assert answer.choices[0].finish_reason in {"stop", "length"} and answer.choices[0].message.content
+    assert not answer.choices[0].message.tool_calls
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        client.chat.completions.create(model="llama-3", messages=ask)
