@@ -3,6 +3,7 @@ venv := ".venv"
 py := venv / "bin/python"
 # Runs a command with OpenBLAS preloaded on Linux (see semantic/launch.py).
 fast := py + " -m semantic.launch"
+claude_dir := env("XDG_CACHE_HOME", env("HOME") / ".cache") / "semantic/claude-code"
 
 default:
     @just --list
@@ -17,9 +18,16 @@ setup:
 serve *ARGS:
     {{venv}}/bin/semantic serve {{ARGS}}
 
-# Lint, type-check and run the test suite.
+# Lint, type-check and run the test suite (with Claude Code installed first where npm exists).
 test *ARGS: lint
+    -command -v npm >/dev/null && just claude-code
     {{fast}} {{py}} -m pytest -q {{ARGS}}
+
+# Install the Claude Code CLI into the user cache (tests look for it there).
+claude-code:
+    mkdir -p {{claude_dir}}
+    cd {{claude_dir}} && npm install --silent --no-audit --no-fund @anthropic-ai/claude-code
+    {{claude_dir}}/node_modules/.bin/claude --version
 
 # ruff (lint and format check) and mypy.
 lint:

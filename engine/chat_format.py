@@ -98,8 +98,8 @@ class ChatFormat:
 
 
 def _merge_consecutive(messages: list[ChatMessage]) -> list[ChatMessage]:
-    """Join back-to-back user turns and move late system messages into them (templates demand
-    alternating roles and a single leading system message)."""
+    """Join back-to-back user (or assistant) turns and move late system messages into user turns:
+    templates demand alternating roles and a single leading system message."""
     merged: list[ChatMessage] = []
     for index, message in enumerate(messages):
         role = message["role"]
@@ -109,8 +109,10 @@ def _merge_consecutive(messages: list[ChatMessage]) -> list[ChatMessage]:
         previous = merged[-1] if merged else None
         if (
             previous is not None
-            and role == "user"
-            and previous["role"] == "user"
+            and role in ("user", "assistant")
+            and previous["role"] == role
+            and not previous.get("tool_calls")
+            and not message.get("tool_calls")
             and isinstance(previous.get("content"), str)
             and isinstance(message.get("content"), str)
         ):

@@ -43,7 +43,7 @@ class AgentTurn(msgspec.Struct):
     messages: list[InputMessage] | None = None
     stream: bool = False
     max_tokens: int | None = None
-    temperature: float = 0.0
+    temperature: float | None = None
     top_p: float = 1.0
     top_k: int = 0
     stop: list[str] = msgspec.field(default_factory=list)
@@ -150,7 +150,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         validate_agent_id(agent_id)
         body = _decode_turn(await request.read())
         sampling = SamplingParams(
-            temperature=body.temperature,
+            temperature=settings.default_temperature if body.temperature is None else body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
             max_tokens=body.max_tokens or settings.default_max_tokens,

@@ -341,7 +341,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         model_name = resolve_model(body.model, system.engine.model.name, settings)
         agent_id = agent_id_from(request.headers)
         sampling = SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
+            temperature=settings.default_temperature if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k or 0,
             max_tokens=body.max_tokens or settings.default_max_tokens,

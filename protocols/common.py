@@ -19,6 +19,7 @@ DEFAULT_ALIASES = {"default": "", "claude*": "", "gpt-*": ""}
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     default_max_tokens: int = 1024
+    default_temperature: float = 1.0
     # Requested model name (glob) -> served model; "" means whatever model is served.
     model_aliases: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_ALIASES))
 

@@ -234,7 +234,7 @@ def _sampling(body: ChatCompletionRequest, settings: ServerSettings) -> Sampling
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     max_tokens = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
     return SamplingParams(
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=settings.default_temperature if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
         max_tokens=max_tokens,

@@ -13,6 +13,7 @@ from semantic.launch import reexec_with_fast_blas
 if TYPE_CHECKING:
     from actors.system import SystemConfig
     from engine.default_model import ProgressFn
+    from protocols.common import ServerSettings
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -84,13 +85,29 @@ def serve(args: argparse.Namespace) -> None:
         uvloop.install()
     except ImportError:
         pass
-    app = create_app(_system_config(args))
+    app = create_app(_system_config(args), _server_settings(args))
     web.run_app(
         app,
         host=args.host,
         port=args.port,
         handler_cancellation=True,
         print=lambda s: print(s, file=sys.stderr),
+    )
+
+
+def _server_settings(args: argparse.Namespace) -> ServerSettings:
+    from protocols.common import DEFAULT_ALIASES, ServerSettings
+
+    aliases = dict(DEFAULT_ALIASES)
+    for alias in args.alias:
+        name, _, target = alias.partition("=")
+        if not name:
+            raise SystemExit(f"--alias wants NAME=MODEL (NAME may be a glob), got {alias!r}")
+        aliases[name] = target
+    return ServerSettings(
+        default_max_tokens=args.default_max_tokens,
+        default_temperature=args.temperature,
+        model_aliases=aliases,
     )
 
 
@@ -141,6 +158,22 @@ def main(argv: list[str] | None = None) -> None:
     _engine_args(serve_parser)
     serve_parser.add_argument("--host", default="127.0.0.1")
     serve_parser.add_argument("--port", type=int, default=8000)
+    serve_parser.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="NAME=MODEL",
+        help="answer requests for model NAME (a glob, e.g. 'claude*') with the served model",
+    )
+    serve_parser.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="sampling temperature for requests that do not set one (Claude Code never does)",
+    )
+    serve_parser.add_argument(
+        "--default-max-tokens", type=int, default=1024, help="max_tokens for requests that do not set it"
+    )
     serve_parser.set_defaults(run=serve)
 
     generate_parser = commands.add_parser("generate", help="print one answer as it streams")
