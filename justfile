@@ -20,7 +20,7 @@ serve *ARGS:
 
 # Lint, type-check and run the test suite (with Claude Code installed first where npm exists).
 test *ARGS: lint
-    -command -v npm >/dev/null && just claude-code
+    -command -v npm >/dev/null && {{just_executable()}} claude-code
     {{fast}} {{py}} -m pytest -q {{ARGS}}
 
 # Install the Claude Code CLI into the user cache (tests look for it there).
