@@ -155,6 +155,8 @@ class ToolCallParser:
         parts: list[ParsedPart] = []
         if self._name is None:
             head = _HEAD.match(self._buffer)
+            if head is not None and head.end() == len(self._buffer):
+                return []  # whitespace after the key may go on; wait for the value's first character
             if head is None:
                 closer = _first_closer(self._buffer)
                 if closer is not None or (len(self._buffer) > 200 and '"name"' not in self._buffer):
