@@ -45,6 +45,13 @@ class ChatFormat:
         if self.template_knows_tools and "<tool_call>" not in template and "parameters" in template:
             self.tool_call_opener = ""  # Llama 3.x: a bare JSON object is the call
 
+    def forced_call_prefix(self, tool_name: str | None) -> str:
+        """Reply text that opens a tool call: to `tool_name`, or to a tool the model names."""
+        arguments_key = "parameters" if self.tool_call_opener == "" else "arguments"
+        if tool_name:
+            return f'{self.tool_call_opener}{{"name": "{tool_name}", "{arguments_key}": '
+        return f'{self.tool_call_opener}{{"name": "'
+
     def render(
         self,
         messages: list[ChatMessage],

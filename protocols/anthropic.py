@@ -262,11 +262,8 @@ def forced_prefix(chat: ChatFormat, choice: ToolChoice | None, tool_names: list[
     """Text to start the reply with so the model must call a tool (`any`) or a named one (`tool`)."""
     if choice is None or not tool_names or choice.type in ("auto", "none"):
         return ""
-    arguments_key = "parameters" if chat.tool_call_opener == "" else "arguments"
     name = choice.name if choice.type == "tool" else (tool_names[0] if len(tool_names) == 1 else None)
-    if name:
-        return f'{chat.tool_call_opener}{{"name": "{name}", "{arguments_key}": '
-    return f'{chat.tool_call_opener}{{"name": "'
+    return chat.forced_call_prefix(name)
 
 
 class PreparedRequest(msgspec.Struct):

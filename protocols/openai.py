@@ -12,8 +12,8 @@ from aiohttp import web
 
 from actors.agent import AgentStoppedError, MailboxFullError
 from actors.identity import InvalidAgentIdError, agent_id_from
+from engine.chat_format import ChatFormat, ChatTemplateError
 from engine.chat_format import ChatMessage as TemplateMessage
-from engine.chat_format import ChatTemplateError
 from engine.engine import PromptTooLongError
 from engine.messages import Finished, FinishReason, PromptStarted
 from engine.sampling import SamplingParams
@@ -219,15 +219,13 @@ def to_chat_messages(messages: list[ChatMessage]) -> list[TemplateMessage]:
     return chat
 
 
-def _forced_prefix(body: ChatCompletionRequest, opener: str) -> str:
+def _forced_prefix(body: ChatCompletionRequest, chat: ChatFormat) -> str:
     if not body.tools or body.tool_choice in (None, "auto", "none"):
         return ""
-    arguments_key = "parameters" if opener == "" else "arguments"
+    if isinstance(body.tool_choice, NamedToolChoice):
+        return chat.forced_call_prefix(body.tool_choice.function.name)
     names = [tool.function.name for tool in body.tools]
-    if isinstance(body.tool_choice, NamedToolChoice) or len(names) == 1:
-        name = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else names[0]
-        return f'{opener}{{"name": "{name}", "{arguments_key}": '
-    return f'{opener}{{"name": "'
+    return chat.forced_call_prefix(names[0] if len(names) == 1 else None)
 
 
 def _sampling(body: ChatCompletionRequest, settings: ServerSettings) -> SamplingParams:
@@ -280,7 +278,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return error_response(400, str(error))
     chat = system.chat_format
     tools = [msgspec.to_builtins(tool) for tool in body.tools] if body.tools else None
-    prefix = _forced_prefix(body, chat.tool_call_opener)
+    prefix = _forced_prefix(body, chat)
     try:
         prompt = chat.prompt_tokens(to_chat_messages(body.messages), tools, prefill=prefix)
         stream = await system.generate(agent_id, prompt, sampling)
