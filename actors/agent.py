@@ -89,6 +89,7 @@ class AgentActor:
         self.num_turns = 0
         # The direct API's conversation; None until first needed (then loaded from disk or new).
         self.conversation: ConversationRecord | None = None
+        self._conversation_model: str | None = None  # the fingerprint of the model it belongs to
 
     @property
     def is_stopped(self) -> bool:
@@ -146,24 +147,27 @@ class AgentActor:
                 await asyncio.shield(stream.done)
                 return stream
             case Converse(messages=messages, sampling=sampling, request_id=request_id):
-                conversation = await self._conversation()
+                model = await self.system.use_model()
+                conversation = await self._conversation(model.fingerprint)
                 chat = self.system.chat_format
                 if conversation.token_ids:
                     suffix = chat.continuation(conversation.system, messages)
                 else:
                     suffix = chat.opening(conversation.system, messages)
                 prompt = conversation.token_ids + chat.encode(suffix)
-                stream = await self._submit(GenerationRequest(request_id, prompt, sampling), reply)
+                request = GenerationRequest(request_id, prompt, sampling, model_fingerprint=model.fingerprint)
+                stream = await self._submit(request, reply)
                 final = await asyncio.shield(stream.done)
                 if isinstance(final, Finished) and final.reason is not FinishReason.CANCELLED:
                     generated = list(final.generated_token_ids)
-                    if generated and generated[-1] in self.system.engine.model.eos_token_ids:
+                    if generated and generated[-1] in model.eos_token_ids:
                         generated.pop()  # the continuation writes the end of the turn itself
                     conversation.token_ids = prompt + generated
                     conversation.num_turns += 1
                     await self.system.save_conversation(self.agent_id, conversation)
                 return stream
             case Open(system=system_prompt):
+                self._conversation_model = (await self.system.use_model()).fingerprint
                 self.conversation = ConversationRecord(system=system_prompt, created_at=time.time())
                 await self.system.save_conversation(self.agent_id, self.conversation)
                 return self.conversation
@@ -183,8 +187,10 @@ class AgentActor:
             reply.set_result(stream)
         return stream
 
-    async def _conversation(self) -> ConversationRecord:
-        if self.conversation is None:
+    async def _conversation(self, model_fingerprint: str) -> ConversationRecord:
+        """The kept conversation for the loaded model (each model keeps its own, as its token ids)."""
+        if self.conversation is None or self._conversation_model != model_fingerprint:
+            self._conversation_model = model_fingerprint
             self.conversation = await self.system.load_conversation(self.agent_id) or ConversationRecord(
                 created_at=time.time()
             )

@@ -14,18 +14,20 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from loguru import logger
 
 from actors.agent import AgentActor, Converse, Evict, Generate, Open
 from actors.identity import validate_agent_id
-from engine.agent_cache import CacheSnapshot
 from engine.chat_format import ChatFormat, ChatMessage
 from engine.default_model import user_cache_dir
-from engine.engine import Engine, EngineConfig, RequestStream
+from engine.engine import Engine, EngineConfig, EngineError, RequestStream
+from engine.loading import LoadedModel
 from engine.messages import GenerationRequest
+from engine.registry import ModelEntry, ModelRegistry
 from engine.sampling import SamplingParams
 from storage.cache_file import CacheIdentity, SerializedCache, from_tensors, to_tensors
 from storage.conversation_file import ConversationRecord
@@ -38,6 +40,35 @@ class SystemConfig:
     cache_dir: Path = field(default_factory=user_cache_dir)
     mailbox_size: int = 8
     persist_caches: bool = True
+    # Models that requests may switch to, besides `engine.model`; alias glob -> model name ("" = loaded).
+    extra_models: tuple[ModelEntry, ...] = ()
+    model_aliases: Mapping[str, str] = field(default_factory=dict)
+    swap_drain_timeout_s: float = 30.0  # running requests get this long to finish before a swap
+    model_wait_s: float = 300.0  # requests wait this long for a swap or reload before failing
+    idle_unload_s: float | None = None  # unload the model after this long without requests
+
+
+class ModelUnavailableError(EngineError):
+    """No model could be made ready in time for a request (a swap failed or took too long)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SwapReport:
+    """What one model transition did and how long each phase took."""
+
+    from_model: str | None
+    to_model: str | None
+    drain_s: float = 0.0
+    num_cancelled: int = 0
+    flush_s: float = 0.0
+    num_flushed: int = 0
+    unload_s: float = 0.0
+    load_s: float = 0.0
+    total_s: float = 0.0
+    active_memory_before_unload: int = 0
+    active_memory_after_unload: int = 0
+    active_memory_after_load: int = 0
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,20 +82,178 @@ class AgentInfo:
 class AgentSystem:
     def __init__(self, config: SystemConfig) -> None:
         self.config = config
-        self.engine = Engine(config.engine)
+        self.registry = ModelRegistry(
+            [ModelEntry.from_source(config.engine.model, config.engine.model_name), *config.extra_models],
+            config.model_aliases,
+        )
+        self.engine = Engine(replace(config.engine, model_name=self.registry.initial.name))
         self.persistence: PersistenceActor | None = None
         self._agents: dict[str, AgentActor] = {}
         self._group: asyncio.TaskGroup | None = None
         self._pending_writes: set[asyncio.Task[list[str]]] = set()
         self._chat_format: ChatFormat | None = None
+        # The model gate: which entry is loaded (None when unloaded), the transition under way.
+        self.model_entry: ModelEntry | None = None
+        self._last_entry = self.registry.initial
+        self._transition: asyncio.Task[SwapReport] | None = None
+        self.transition_target: str | None = None
+        self.last_swap: SwapReport | None = None
+        self._last_used = time.monotonic()
+        self._idle_watch: asyncio.Task[None] | None = None
+        self.active_memory_before_load = 0  # MLX's, before the first model loaded
 
     @property
     def chat_format(self) -> ChatFormat:
-        assert self._chat_format is not None, "chat_format used before start(): caller bug"
+        if self._chat_format is None:
+            raise ModelUnavailableError("no model is loaded (it is being swapped or was unloaded)")
         return self._chat_format
 
     async def start(self) -> None:
+        import mlx.core as mx
+
+        self.active_memory_before_load = mx.get_active_memory()
         await self.engine.start()
+        await self._attach(self.registry.initial)
+        self._group = asyncio.TaskGroup()
+        await self._group.__aenter__()
+        if self.config.idle_unload_s:
+            self._idle_watch = asyncio.create_task(self._unload_when_idle(self.config.idle_unload_s))
+
+    async def stop(self, flush: bool = True) -> None:
+        """Stop every agent (queued asks fail), flush hot caches to disk, stop the engine."""
+        if self._idle_watch is not None:
+            self._idle_watch.cancel()
+        if self._transition is not None:
+            await asyncio.wait([self._transition])
+        for actor in list(self._agents.values()):
+            actor.stop_nowait()
+        if self._group is not None:
+            await self._group.__aexit__(None, None, None)
+            self._group = None
+        if self._pending_writes:
+            await asyncio.gather(*self._pending_writes, return_exceptions=True)
+        if flush and self.persistence is not None and self.engine.loaded is not None:
+            written = await self.flush()
+            logger.info("flushed {} agent caches to disk", len(written))
+        await self.engine.stop()
+        if self.persistence is not None:
+            await self.persistence.stop()
+
+    # ---- the model gate: every request passes here before it tokenizes ----
+
+    @property
+    def is_switching(self) -> bool:
+        return self._transition is not None
+
+    async def use_model(self, name: str | None = None) -> LoadedModel:
+        """The loaded model once it is `name` (None: whichever is loaded, reloading after idle).
+
+        Swaps when another registry model is named; requests arriving meanwhile wait here, up to
+        `model_wait_s`. Raises ModelUnavailableError if the model cannot be made ready.
+        """
+        deadline = time.monotonic() + self.config.model_wait_s
+        while True:
+            self._last_used = time.monotonic()
+            if self._transition is not None:
+                await self._wait_for_transition(self._transition, deadline)
+                continue
+            loaded = self.engine.loaded
+            wanted = self._last_entry if name is None and loaded is None else self.registry.get(name or "")
+            if loaded is not None and (wanted is None or wanted == self.model_entry):
+                return loaded
+            assert wanted is not None, "caller passes registry names only"
+            del loaded  # a reference held across the swap would keep the old weights alive
+            transition = self._begin_transition(wanted)
+            report = await self._wait_for_transition(transition, deadline)
+            if report.error is not None and report.to_model == wanted.name:
+                raise ModelUnavailableError(report.error)
+
+    async def swap_model(self, name: str) -> SwapReport | None:
+        """Make `name` the loaded model now; the report of the swap, or None if it was loaded."""
+        before = self.last_swap
+        await self.use_model(name)
+        return self.last_swap if self.last_swap is not before else None
+
+    async def unload_model(self) -> SwapReport | None:
+        """Flush the agents' caches and drop the model; the next request loads it again."""
+        while self._transition is not None:
+            await asyncio.wait([self._transition])
+        if self.engine.loaded is None:
+            return None
+        return await self._begin_transition(None)
+
+    def _begin_transition(self, target: ModelEntry | None) -> asyncio.Task[SwapReport]:
+        assert self._transition is None
+        self.transition_target = target.name if target is not None else None
+        transition = asyncio.get_running_loop().create_task(self._switch_to(target))
+        self._transition = transition
+
+        def done(task: asyncio.Task[SwapReport]) -> None:
+            if self._transition is task:
+                self._transition = None
+                self.transition_target = None
+
+        transition.add_done_callback(done)
+        return transition
+
+    async def _wait_for_transition(self, transition: asyncio.Task[SwapReport], deadline: float) -> SwapReport:
+        try:
+            return await asyncio.wait_for(asyncio.shield(transition), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise ModelUnavailableError(
+                f"waited {self.config.model_wait_s:.0f} s (the limit) for the model to switch to "
+                f"{self.transition_target or 'unloaded'}"
+            ) from None
+
+    async def _switch_to(self, target: ModelEntry | None) -> SwapReport:
+        """Drain, flush and unload the current model, then load `target` (the old one if that fails)."""
+        started = time.perf_counter()
+        old = self.model_entry
+        phases: dict[str, float | int] = {}
+        if self.engine.loaded is not None:
+            phases = await self._detach(f"the model is switching to {target.name if target else 'unloaded'}")
+        report = SwapReport(old.name if old else None, target.name if target else None, **phases)  # type: ignore[arg-type]
+        if target is None:
+            report = replace(report, total_s=time.perf_counter() - started)
+            logger.info("unloaded {} in {:.2f} s", report.from_model, report.total_s)
+            self.last_swap = report
+            return report
+        load_started = time.perf_counter()
+        try:
+            await self.engine.load(target.source, target.name)
+            await self._attach(target)
+        except Exception as error:
+            message = f"could not load model {target.name!r} from {target.source!r}: {error}"
+            logger.error("{}", message)
+            if old is not None:
+                await self.engine.load(old.source, old.name)
+                await self._attach(old)
+                message += f"; still serving {old.name!r}"
+            report = replace(report, error=message, total_s=time.perf_counter() - started)
+            self.last_swap = report
+            return report
+        import mlx.core as mx
+
+        report = replace(
+            report,
+            load_s=time.perf_counter() - load_started,
+            total_s=time.perf_counter() - started,
+            active_memory_after_load=mx.get_active_memory(),
+        )
+        logger.info(
+            "switched {} -> {} in {:.2f} s (drain {:.2f}, flush {:.2f}, unload {:.2f}, load {:.2f})",
+            report.from_model,
+            report.to_model,
+            report.total_s,
+            report.drain_s,
+            report.flush_s,
+            report.unload_s,
+            report.load_s,
+        )
+        self.last_swap = report
+        return report
+
+    async def _attach(self, entry: ModelEntry) -> None:
         loaded = self.engine.model
         self._chat_format = ChatFormat(loaded.tokenizer)
         if self.config.persist_caches:
@@ -75,24 +264,46 @@ class AgentSystem:
             await self.persistence.start()
             self.engine.serialize_evicted = to_tensors
             self.engine.on_evict = self._write_evicted
-        self._group = asyncio.TaskGroup()
-        await self._group.__aenter__()
+        self.model_entry = self._last_entry = entry
 
-    async def stop(self, flush: bool = True) -> None:
-        """Stop every agent (queued asks fail), flush hot caches to disk, stop the engine."""
-        for actor in list(self._agents.values()):
-            actor.stop_nowait()
-        if self._group is not None:
-            await self._group.__aexit__(None, None, None)
-            self._group = None
+    async def _detach(self, reason: str) -> dict[str, float | int]:
+        """Let the batch finish (bounded), write every hot cache to disk, drop the model."""
+        import mlx.core as mx
+
+        started = time.perf_counter()
+        num_cancelled = await self.engine.drain(self.config.swap_drain_timeout_s, reason)
+        drained = time.perf_counter()
         if self._pending_writes:
             await asyncio.gather(*self._pending_writes, return_exceptions=True)
-        if flush and self.persistence is not None and self.engine.is_running:
-            written = await self.flush()
-            logger.info("flushed {} agent caches to disk", len(written))
-        await self.engine.stop()
+        written = await self.flush()
+        flushed = time.perf_counter()
+        memory_before = mx.get_active_memory()
+        self._chat_format = None
+        self.model_entry = None
+        await self.engine.unload()
         if self.persistence is not None:
             await self.persistence.stop()
+            self.persistence = None
+        return {
+            "drain_s": drained - started,
+            "num_cancelled": num_cancelled,
+            "flush_s": flushed - drained,
+            "num_flushed": len(written),
+            "unload_s": time.perf_counter() - flushed,
+            "active_memory_before_unload": memory_before,
+            "active_memory_after_unload": mx.get_active_memory(),
+        }
+
+    async def _unload_when_idle(self, idle_s: float) -> None:
+        while True:
+            await asyncio.sleep(min(idle_s / 4, 5.0))
+            stats = self.engine.stats
+            if stats.num_running or stats.num_waiting or self._transition is not None:
+                self._last_used = time.monotonic()
+                continue
+            if self.engine.loaded is not None and time.monotonic() - self._last_used >= idle_s:
+                logger.info("no requests for {:.0f} s: unloading {}", idle_s, self.engine.loaded.name)
+                await self._begin_transition(None)
 
     def agent(self, agent_id: str) -> AgentActor:
         """The actor for `agent_id`, started on first use."""
@@ -115,9 +326,15 @@ class AgentSystem:
         prompt_tokens: list[int],
         sampling: SamplingParams,
         request_id: str | None = None,
+        model_fingerprint: str | None = None,
     ) -> RequestStream:
-        """Start a turn: through the agent's actor with an id, straight to the engine without one."""
+        """Start a turn: through the agent's actor with an id, straight to the engine without one.
+
+        `model_fingerprint` names the model `prompt_tokens` came from; if another model is loaded
+        by the time the request reaches the engine, it fails with ModelChangedError.
+        """
         request = GenerationRequest(request_id or uuid.uuid4().hex, list(prompt_tokens), sampling)
+        request.model_fingerprint = model_fingerprint
         if agent_id is None:
             return self.engine.submit(request)
         stream: RequestStream = await self.agent(agent_id).ask(Generate(request))
@@ -125,24 +342,36 @@ class AgentSystem:
 
     async def restore_from_disk(self, agent_id: str) -> bool:
         """Load an agent's cache into the engine if it is on disk and not in memory."""
-        if self.persistence is None or not self.persistence.is_on_disk(agent_id):
+        persistence = self.persistence
+        if persistence is None or not persistence.is_on_disk(agent_id):
             return False
-        if await self.engine.call(lambda e: agent_id in e.store.agents):
+        fingerprint = persistence.identity.fingerprint
+
+        def loaded_here(engine: Engine) -> bool:
+            return engine.loaded is not None and engine.loaded.fingerprint == fingerprint
+
+        if await self.engine.call(lambda e: not loaded_here(e) or agent_id in e.store.agents):
             return False
-        cache = await self.persistence.load(agent_id)
+        cache = await persistence.load(agent_id)
         if cache is None:
             return False
-        await self.engine.call(lambda e: e.store.restore(self._snapshot_of(cache)))
-        return True
 
-    def _snapshot_of(self, cache: SerializedCache) -> CacheSnapshot:
-        spec = self.engine.model.spec
-        return from_tensors(cache, spec.dtype, len(spec.full_layer_ids), len(spec.sliding_layer_ids))
+        def restore(engine: Engine) -> bool:
+            if not loaded_here(engine):  # the model was swapped while the file was read
+                return False
+            spec = engine.model.spec
+            snapshot = from_tensors(cache, spec.dtype, len(spec.full_layer_ids), len(spec.sliding_layer_ids))
+            engine.store.restore(snapshot)
+            return True
+
+        return await self.engine.call(restore)
 
     async def evict_to_disk(self, agent_id: str) -> bool:
         """Write an agent's cache to disk and free its blocks; False if it had none in memory."""
 
         def take(engine: Engine) -> SerializedCache | None:
+            if engine.loaded is None:
+                return None
             store = engine.store
             agent = store.agents.get(agent_id)
             if agent is None or agent.num_running:
@@ -162,6 +391,8 @@ class AgentSystem:
             return []
 
         def snapshot_all(engine: Engine) -> list[SerializedCache]:
+            if engine.loaded is None:
+                return []
             store = engine.store
             return [to_tensors(store.snapshot(a)) for a in list(store.agents) if not a.startswith("anon-")]
 
@@ -173,7 +404,12 @@ class AgentSystem:
         actor = self._agents.pop(agent_id, None)
         if actor is not None:
             actor.stop_nowait()
-        await self.engine.call(lambda e: e.store.drop(agent_id))
+
+        def drop(engine: Engine) -> None:
+            if engine.loaded is not None:
+                engine.store.drop(agent_id)
+
+        await self.engine.call(drop)
         if self.persistence is not None:
             await self.persistence.delete(agent_id)
         return known
@@ -206,6 +442,8 @@ class AgentSystem:
 
     async def list_agents(self) -> list[AgentInfo]:
         def in_memory(engine: Engine) -> list[AgentInfo]:
+            if engine.loaded is None:
+                return []
             now = time.monotonic()
             return [
                 AgentInfo(a.agent_id, a.num_tokens, "memory", now - a.last_used)

@@ -8,6 +8,7 @@ step the batch once, post every request's new events with one `call_soon_threads
 from __future__ import annotations
 
 import asyncio
+import gc
 import queue
 import threading
 import time
@@ -49,6 +50,10 @@ class EngineError(RuntimeError):
     pass
 
 
+class ModelChangedError(EngineError):
+    """The request was tokenized for a model that has since been swapped out; retry it."""
+
+
 class PromptTooLongError(ValueError):
     def __init__(self, num_tokens: int, limit: int) -> None:
         super().__init__(
@@ -62,6 +67,7 @@ class PromptTooLongError(ValueError):
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "default"
+    model_name: str | None = None  # served under this name; None: derived from `model`
     block_size: int = 256
     cache_budget_mb: int = 4096
     max_batch_size: int = 16
@@ -83,6 +89,14 @@ class EngineStats:
     pool_budget_bytes: int = 0
     num_agents_cached: int = 0
     num_evictions: int = 0
+
+
+@dataclass(slots=True)
+class _Drain:
+    deadline: float
+    reason: str
+    reply: asyncio.Future[int]
+    loop: asyncio.AbstractEventLoop
 
 
 @dataclass(slots=True)
@@ -149,6 +163,7 @@ class Engine:
         self._store: AgentCacheStore | None = None
         self._stream: Any = None
         self._pending: list[tuple[EventChannel, list[Event]]] = []
+        self._drain: _Drain | None = None
 
     @property
     def model(self) -> LoadedModel:
@@ -168,6 +183,32 @@ class Engine:
         self._thread.start()
         await ready
 
+    async def load(self, source: str, name: str | None = None) -> LoadedModel:
+        """Load a model into an engine that has none (after `unload`); raises its load error."""
+
+        def load(engine: Engine) -> LoadedModel:
+            if engine.loaded is not None:
+                raise EngineError(f"{engine.loaded.name} is still loaded; unload it first")
+            engine._load(source, name)
+            return engine.model
+
+        return await self.call(load)
+
+    async def unload(self) -> None:
+        """Drop the model, its batch and its block pool, and give MLX's memory back (engine idle)."""
+        await self.call(Engine._unload)
+
+    async def drain(self, timeout_s: float, reason: str) -> int:
+        """Wait until nothing runs or waits; past `timeout_s` fail what is left. Returns how many failed.
+
+        The caller stops new submissions first (the agent system's model gate does).
+        """
+        assert self._loop is not None, "engine not started"
+        reply: asyncio.Future[int] = self._loop.create_future()
+        drain = _Drain(time.perf_counter() + timeout_s, reason, reply, self._loop)
+        await self.call(lambda engine: setattr(engine, "_drain", drain))
+        return await reply
+
     async def stop(self) -> None:
         if self._thread is None:
             return
@@ -178,6 +219,8 @@ class Engine:
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue a request; raises PromptTooLongError at once if it cannot fit the context."""
         loaded = self.model
+        if request.model_fingerprint not in (None, loaded.fingerprint):
+            raise ModelChangedError(f"the model changed to {loaded.name} while the request was prepared")
         limit = loaded.context_length
         num_prompt = len(request.prompt_tokens)
         if num_prompt == 0:
@@ -220,7 +263,7 @@ class Engine:
         try:
             self._stream = mx.new_stream(mx.default_device())
             with mx.stream(self._stream):
-                self._load()
+                self._load(self.config.model, self.config.model_name)
         except BaseException as error:
             logger.exception("model load failed")
             self._loop.call_soon_threadsafe(_set_exception, ready, error)
@@ -230,9 +273,9 @@ class Engine:
             self._serve()
         self._close()
 
-    def _load(self) -> None:
+    def _load(self, source: str, name: str | None) -> None:
         config = self.config
-        self.loaded = load_model(config.model, config.block_size, config.default_dtype)
+        self.loaded = load_model(source, config.block_size, config.default_dtype, name)
         spec = self.loaded.spec
         self._pool = BlockPool.from_budget(
             config.cache_budget_mb * 2**20, spec.bytes_per_block, spec.block_size
@@ -265,6 +308,42 @@ class Engine:
             stream=self._stream,
         )
 
+    def _unload(self) -> None:
+        if self._running or self._waiting:
+            raise EngineError("cannot unload while requests run or wait; drain first")
+        if self._generator is not None:
+            self._generator.close()
+        name = self.loaded.name if self.loaded is not None else None
+        self._generator = self._store = self._pool = None
+        self.loaded = None
+        self.stats.pool_budget_bytes = self.stats.pool_used_bytes = self.stats.num_agents_cached = 0
+        gc.collect()
+        mx.clear_cache()
+        logger.info("unloaded {}; MLX active memory now {:.1f} MiB", name, mx.get_active_memory() / 2**20)
+
+    def _check_drain(self) -> None:
+        drain = self._drain
+        if drain is None:
+            return
+        failed = 0
+        if (self._running or self._waiting) and time.perf_counter() >= drain.deadline:
+            error = EngineError(f"cancelled: {drain.reason}, and the drain timeout passed")
+            for submit in self._waiting:
+                self._post(submit.events, error)
+            failed += len(self._waiting)
+            self._waiting.clear()
+            if self._running:
+                assert self._generator is not None
+                self._generator.remove(list(self._running))
+            for uid in list(self._running):
+                running = self._running.pop(uid)
+                self._release(running)
+                self._post_many(running.events, [*running.outbox, error])
+                failed += 1
+        if not (self._running or self._waiting):
+            self._drain = None
+            drain.loop.call_soon_threadsafe(_set_result, drain.reply, failed)
+
     def _close(self) -> None:
         for submit in self._waiting:
             self._post(submit.events, EngineError("the engine stopped before this request ran"))
@@ -279,9 +358,11 @@ class Engine:
         while not (stopping and not self._running and not self._waiting):
             tick_start = time.perf_counter()
             stopping |= self._handle_commands(block=not (self._running or self._waiting))
-            self._admit()
-            if self._running:
-                self._step()
+            if self.loaded is not None:
+                self._admit()
+                if self._running:
+                    self._step()
+            self._check_drain()
             self._flush()
             self._update_stats()
             if self._running or self._waiting:
@@ -338,6 +419,10 @@ class Engine:
         while self._waiting and len(self._running) < self.config.max_batch_size:
             submit = self._waiting[0]
             request = submit.request
+            if request.model_fingerprint not in (None, self.model.fingerprint):
+                self._waiting.popleft()
+                self._post(submit.events, ModelChangedError("the model changed while the request waited"))
+                continue
             needed = spec.num_blocks_for(len(request.prompt_tokens) + request.sampling.max_tokens)
             if needed > self._pool.num_blocks:
                 self._waiting.popleft()
@@ -494,7 +579,8 @@ class Engine:
             self._pending.append((events, list(batch)))
 
     def _flush(self) -> None:
-        self._hand_over_evicted()
+        if self._store is not None:
+            self._hand_over_evicted()
         for running in self._running.values():
             if running.outbox:
                 self._pending.append((running.events, running.outbox))
@@ -504,7 +590,8 @@ class Engine:
             self._loop.call_soon_threadsafe(_deliver, pending)
 
     def _update_stats(self) -> None:
-        assert self._pool is not None
+        if self._pool is None:
+            return
         self.stats.num_running = len(self._running)
         self.stats.num_waiting = len(self._waiting)
         self.stats.pool_used_bytes = self._pool.used_bytes

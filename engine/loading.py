@@ -13,9 +13,9 @@ import mlx.core as mx
 from mlx_lm.utils import load as mlx_lm_load
 
 from engine.cache_spec import ModelCacheSpec
-from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from engine.default_model import ensure_default_model
+from engine.registry import DEFAULT_MODEL_SOURCES, model_name_for
 
-DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}")
 DEFAULT_CONTEXT_LENGTH = 8192
 
 
@@ -39,17 +39,19 @@ class LoadedModel:
 
 
 def is_default_model(source: str) -> bool:
-    return source in DEFAULT_MODEL_ALIASES
+    return source in DEFAULT_MODEL_SOURCES
 
 
-def resolve_model_path(source: str, default_dtype: str = "float32") -> tuple[str, str]:
-    """Return (served name, path or hub id) for a `--model` value."""
+def resolve_model_path(source: str, default_dtype: str = "float32") -> str:
+    """The local directory or hub id a `--model` value loads from (converting the default model)."""
     if is_default_model(source):
-        return DEFAULT_MODEL_NAME, str(ensure_default_model(default_dtype))
+        return str(ensure_default_model(default_dtype))
     path = Path(source).expanduser()
     if path.is_dir():
-        return path.name, str(path)
-    return source, source
+        return str(path)
+    if source.startswith(("/", "./", "../", "~")) or path.exists():
+        raise FileNotFoundError(f"{source} is not a model directory")
+    return source
 
 
 def fingerprint_model(model_dir: Path) -> str:
@@ -82,14 +84,16 @@ def context_length_of(model_dir: Path, tokenizer: Any) -> int:
     return int(limit) if isinstance(limit, int) and limit < 10**7 else DEFAULT_CONTEXT_LENGTH
 
 
-def load_model(source: str, block_size: int = 256, default_dtype: str = "float32") -> LoadedModel:
+def load_model(
+    source: str, block_size: int = 256, default_dtype: str = "float32", name: str | None = None
+) -> LoadedModel:
     """Load a model with mlx-lm's normal path; call it on the thread that will run the model."""
-    name, path = resolve_model_path(source, default_dtype)
+    path = resolve_model_path(source, default_dtype)
     model, tokenizer = mlx_lm_load(path)  # type: ignore[misc]
     model_dir = Path(path) if Path(path).is_dir() else _hub_snapshot_dir(path)
     mx.eval(model.parameters())
     return LoadedModel(
-        name=name,
+        name=name or model_name_for(source),
         source=source,
         model=model,
         tokenizer=tokenizer,

@@ -23,6 +23,8 @@ class GenerationRequest:
     agent_id: str | None = None
     # "disk" when the agent's cache was just loaded from disk, so usage reports that tier.
     cache_tier_hint: str | None = None
+    # The model the prompt was tokenized for; the engine refuses it if another model is loaded.
+    model_fingerprint: str | None = None
 
 
 @dataclass(slots=True)

@@ -19,12 +19,13 @@ from aiohttp import web
 
 from actors.agent import AgentStoppedError, MailboxFullError
 from actors.identity import InvalidAgentIdError, validate_agent_id
-from actors.system import AgentInfo
+from actors.system import AgentInfo, ModelUnavailableError
 from engine.chat_format import ChatTemplateError
-from engine.engine import PromptTooLongError
+from engine.engine import ModelChangedError, PromptTooLongError
 from engine.messages import Finished, PromptStarted, TokenDelta
+from engine.registry import UnknownModelError
 from engine.sampling import SamplingParams
-from protocols.common import SETTINGS_KEY, SYSTEM_KEY, sse_response
+from protocols.common import SETTINGS_KEY, SYSTEM_KEY, ready_model, sse_response
 
 
 class CreateAgent(msgspec.Struct):
@@ -48,6 +49,7 @@ class AgentTurn(msgspec.Struct):
     top_k: int = 0
     stop: list[str] = msgspec.field(default_factory=list)
     seed: int | None = None
+    model: str | None = None  # a configured model to switch to first; None: the loaded one
 
 
 class TurnUsage(msgspec.Struct):
@@ -106,10 +108,14 @@ async def create_agent(request: web.Request) -> web.Response:
         return error_response(400, str(error))
     if await _find(request, agent_id) is not None:
         return error_response(409, f"agent {agent_id} already exists; DELETE it first", "conflict_error")
-    await system.open_agent(agent_id, body.system)
-    return web.json_response(
-        {"id": agent_id, "system": body.system, "model": system.engine.model.name}, status=201
-    )
+    try:
+        model = await ready_model(system, body.model)
+        await system.open_agent(agent_id, body.system)
+    except UnknownModelError as error:
+        return error_response(404, str(error), "not_found_error")
+    except ModelUnavailableError as error:
+        return error_response(503, str(error), "overloaded_error")
+    return web.json_response({"id": agent_id, "system": body.system, "model": model.name}, status=201)
 
 
 async def list_agents(request: web.Request) -> web.Response:
@@ -169,9 +175,14 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         return error_response(400, "send `content` (a user message) or `messages`")
     turn_id = f"turn-{uuid.uuid4().hex}"
     try:
+        await ready_model(system, body.model)
         stream = await system.converse(agent_id, messages, sampling, turn_id)
     except (PromptTooLongError, ChatTemplateError) as error:
         return error_response(400, str(error))
+    except UnknownModelError as error:
+        return error_response(404, str(error), "not_found_error")
+    except (ModelUnavailableError, ModelChangedError) as error:
+        return error_response(503, str(error), "overloaded_error")
     except MailboxFullError as error:
         return error_response(429, str(error), "rate_limit_error")
     except AgentStoppedError as error:

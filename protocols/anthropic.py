@@ -19,17 +19,17 @@ from aiohttp import web
 
 from actors.agent import AgentStoppedError, MailboxFullError
 from actors.identity import InvalidAgentIdError, agent_id_from
-from actors.system import AgentSystem
+from actors.system import AgentSystem, ModelUnavailableError
 from engine.chat_format import ChatFormat, ChatMessage, ChatTemplateError
-from engine.engine import PromptTooLongError
+from engine.engine import ModelChangedError, PromptTooLongError
 from engine.messages import Finished, FinishReason, PromptProgress, PromptStarted
+from engine.registry import UnknownModelError
 from engine.sampling import SamplingParams
 from protocols.common import (
     SETTINGS_KEY,
     SYSTEM_KEY,
-    UnknownModelError,
     parsed_events,
-    resolve_model,
+    ready_model,
     sse_response,
 )
 from protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallParser, ToolCallStart
@@ -299,10 +299,12 @@ async def count_tokens(request: web.Request) -> web.Response:
     if isinstance(body, web.Response):
         return body
     try:
-        resolve_model(body.model, system.engine.model.name, request.app[SETTINGS_KEY])
+        await ready_model(system, body.model)
         prepared = prepare(system, body)
     except UnknownModelError as error:
         return error_response(404, str(error))
+    except ModelUnavailableError as error:
+        return error_response(529, str(error))
     except (UnsupportedContentError, ChatTemplateError) as error:
         return error_response(400, str(error))
     return web.json_response({"input_tokens": len(prepared.prompt)})
@@ -335,7 +337,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     if isinstance(body, web.Response):
         return body
     try:
-        model_name = resolve_model(body.model, system.engine.model.name, settings)
+        model = await ready_model(system, body.model)
         agent_id = agent_id_from(request.headers)
         sampling = SamplingParams(
             temperature=settings.default_temperature if body.temperature is None else body.temperature,
@@ -345,9 +347,13 @@ async def messages(request: web.Request) -> web.StreamResponse:
             stop=tuple(body.stop_sequences),
         )
         prepared = prepare(system, body)
-        stream = await system.generate(agent_id, prepared.prompt, sampling)
+        stream = await system.generate(
+            agent_id, prepared.prompt, sampling, model_fingerprint=model.fingerprint
+        )
     except UnknownModelError as error:
         return error_response(404, str(error))
+    except (ModelUnavailableError, ModelChangedError) as error:
+        return error_response(529, str(error))
     except (InvalidAgentIdError, UnsupportedContentError, ChatTemplateError, PromptTooLongError) as error:
         return error_response(400, str(error))
     except ValueError as error:
@@ -359,7 +365,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     parser = ToolCallParser(enabled=prepared.parse_tools)
     message_id = new_id("msg_")
     if body.stream:
-        return await _stream(request, stream, parser, prepared.prefix, message_id, model_name)
+        return await _stream(request, stream, parser, prepared.prefix, message_id, model.name)
 
     content: list[OutText | OutToolUse] = []
     started: PromptStarted | None = None
@@ -387,7 +393,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     called_tool = any(isinstance(c, OutToolUse) for c in content)
     reply = MessageResponse(
         message_id,
-        model_name,
+        model.name,
         content,
         _stop_reason(finished, called_tool),
         finished.stop_sequence,

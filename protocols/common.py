@@ -2,48 +2,35 @@
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from actors.system import AgentSystem
 from engine.engine import RequestStream
+from engine.loading import LoadedModel
 from engine.messages import Finished, PromptProgress, PromptStarted, TokenDelta
 from protocols.tool_parser import ParsedPart, ToolCallParser
-
-DEFAULT_ALIASES = {"default": "", "claude*": "", "gpt-*": ""}
 
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     default_max_tokens: int = 1024
     default_temperature: float = 1.0
-    # Requested model name (glob) -> served model; "" means whatever model is served.
-    model_aliases: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_ALIASES))
 
 
 SYSTEM_KEY = web.AppKey("system", AgentSystem)
 SETTINGS_KEY = web.AppKey("settings", ServerSettings)
 
 
-class UnknownModelError(LookupError):
-    pass
+async def ready_model(system: AgentSystem, requested: str | None) -> LoadedModel:
+    """The model a request names, once loaded: swapping to it, or reloading after an idle unload.
 
-
-def resolve_model(requested: str | None, served: str, settings: ServerSettings) -> str:
-    """The served model a request's `model` names, directly or through an alias."""
-    if not requested or requested == served:
-        return served
-    for pattern, target in settings.model_aliases.items():
-        if fnmatch.fnmatchcase(requested, pattern) and target in ("", served):
-            return served
-    aliases = ", ".join(sorted(settings.model_aliases))
-    raise UnknownModelError(
-        f"model {requested!r} is not served here; this server runs {served!r} "
-        f"(aliases accepted: {aliases}; add more with --alias NAME=MODEL)"
-    )
+    Raises UnknownModelError (not configured) or ModelUnavailableError (could not be made ready).
+    """
+    entry = system.registry.resolve(requested)
+    return await system.use_model(entry.name if entry is not None else None)
 
 
 async def sse_response(request: web.Request) -> web.StreamResponse:

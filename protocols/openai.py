@@ -12,18 +12,19 @@ from aiohttp import web
 
 from actors.agent import AgentStoppedError, MailboxFullError
 from actors.identity import InvalidAgentIdError, agent_id_from
+from actors.system import ModelUnavailableError
 from engine.chat_format import ChatFormat, ChatTemplateError
 from engine.chat_format import ChatMessage as TemplateMessage
-from engine.engine import PromptTooLongError
+from engine.engine import ModelChangedError, PromptTooLongError
 from engine.messages import Finished, FinishReason, PromptStarted
+from engine.registry import UnknownModelError
 from engine.sampling import SamplingParams
 from protocols.common import (
     SETTINGS_KEY,
     SYSTEM_KEY,
     ServerSettings,
-    UnknownModelError,
     parsed_events,
-    resolve_model,
+    ready_model,
     sse_response,
 )
 from protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallParser, ToolCallStart
@@ -268,9 +269,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if not body.messages:
         return error_response(400, "messages must not be empty", param="messages")
     try:
-        model_name = resolve_model(body.model, system.engine.model.name, settings)
+        model = await ready_model(system, body.model)
     except UnknownModelError as error:
         return error_response(404, str(error), kind="model_not_found", param="model")
+    except ModelUnavailableError as error:
+        return error_response(503, str(error), kind="server_error", param="model")
+    model_name = model.name
     try:
         agent_id = agent_id_from(request.headers, body.session_id)
         sampling = _sampling(body, settings)
@@ -281,9 +285,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     prefix = _forced_prefix(body, chat)
     try:
         prompt = chat.prompt_tokens(to_chat_messages(body.messages), tools, prefill=prefix)
-        stream = await system.generate(agent_id, prompt, sampling)
+        stream = await system.generate(agent_id, prompt, sampling, model_fingerprint=model.fingerprint)
     except (ChatTemplateError, PromptTooLongError) as error:
         return error_response(400, str(error), param="messages")
+    except (ModelUnavailableError, ModelChangedError) as error:
+        return error_response(503, str(error), kind="server_error")
     except MailboxFullError as error:
         return error_response(429, str(error), kind="rate_limit_exceeded")
     except AgentStoppedError as error:
@@ -353,8 +359,28 @@ def _call_id() -> str:
 
 
 def model_list(system: Any) -> dict[str, Any]:
-    loaded = system.engine.model
+    """Configured models in the shape both OpenAI's and Anthropic's SDKs read, with what is loaded."""
+    loaded = system.model_entry
+    data = [
+        {
+            "id": entry.name,
+            "object": "model",
+            "type": "model",
+            "display_name": entry.name,
+            "created": 0,
+            "created_at": "1970-01-01T00:00:00Z",
+            "owned_by": "semantic",
+            "source": entry.source,
+            "aliases": list(entry.aliases),
+            "loaded": entry == loaded,
+        }
+        for entry in system.registry.entries
+    ]
     return {
         "object": "list",
-        "data": [{"id": loaded.name, "object": "model", "created": 0, "owned_by": "semantic"}],
+        "data": data,
+        "has_more": False,
+        "first_id": data[0]["id"],
+        "last_id": data[-1]["id"],
+        "loaded_model_aliases": system.registry.loaded_aliases,
     }

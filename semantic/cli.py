@@ -29,13 +29,22 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="default model conversion dtype"
     )
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=[4, 8],
+        default=None,
+        help="quantize the KV cache (refused at start-up where mlx-lm cannot batch it)",
+    )
 
 
 def _system_config(args: argparse.Namespace) -> SystemConfig:
     from actors.system import SystemConfig
     from engine.default_model import user_cache_dir
     from engine.engine import EngineConfig
+    from engine.registry import ModelEntry
 
+    _refuse_kv_bits(getattr(args, "kv_bits", None))
     engine = EngineConfig(
         model=args.model,
         block_size=args.block_size,
@@ -43,7 +52,45 @@ def _system_config(args: argparse.Namespace) -> SystemConfig:
         max_batch_size=args.max_batch_size,
         default_dtype=args.dtype,
     )
-    return SystemConfig(engine=engine, cache_dir=args.cache_dir or user_cache_dir())
+    extra_models = []
+    for spec in getattr(args, "add_model", []):
+        name, _, source = spec.partition("=")
+        if not name or not source:
+            raise SystemExit(f"--add-model wants NAME=SOURCE (a local MLX dir or a hub id), got {spec!r}")
+        extra_models.append(ModelEntry(name, source))
+    aliases = {}
+    for alias in getattr(args, "alias", []):
+        pattern, _, target = alias.partition("=")
+        if not pattern:
+            raise SystemExit(f"--alias wants NAME=MODEL (NAME may be a glob), got {alias!r}")
+        aliases[pattern] = target
+    return SystemConfig(
+        engine=engine,
+        cache_dir=args.cache_dir or user_cache_dir(),
+        extra_models=tuple(extra_models),
+        model_aliases=aliases,
+        idle_unload_s=getattr(args, "idle_unload_s", None),
+        swap_drain_timeout_s=getattr(args, "swap_drain_timeout_s", 30.0),
+    )
+
+
+def _refuse_kv_bits(kv_bits: int | None) -> None:
+    """Quantized KV only if it can decode in a batch; say so rather than degrade to one sequence."""
+    if kv_bits is None:
+        return
+    import mlx_lm
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    if "merge" not in vars(QuantizedKVCache):
+        raise SystemExit(
+            f"--kv-bits {kv_bits}: mlx-lm {mlx_lm.__version__} cannot batch quantized KV caches "
+            "(QuantizedKVCache has no merge/extract for BatchGenerator), and semantic decodes every "
+            "request in the shared batch. Run without --kv-bits, or lower --cache-budget-mb instead."
+        )
+    raise SystemExit(
+        f"--kv-bits {kv_bits}: this mlx-lm can batch quantized KV caches, but semantic's block pool "
+        "keeps KV at the model's dtype; quantized blocks are not supported yet"
+    )
 
 
 def _progress_bar() -> ProgressFn:
@@ -96,19 +143,9 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def _server_settings(args: argparse.Namespace) -> ServerSettings:
-    from protocols.common import DEFAULT_ALIASES, ServerSettings
+    from protocols.common import ServerSettings
 
-    aliases = dict(DEFAULT_ALIASES)
-    for alias in args.alias:
-        name, _, target = alias.partition("=")
-        if not name:
-            raise SystemExit(f"--alias wants NAME=MODEL (NAME may be a glob), got {alias!r}")
-        aliases[name] = target
-    return ServerSettings(
-        default_max_tokens=args.default_max_tokens,
-        default_temperature=args.temperature,
-        model_aliases=aliases,
-    )
+    return ServerSettings(default_max_tokens=args.default_max_tokens, default_temperature=args.temperature)
 
 
 async def _generate(args: argparse.Namespace) -> None:
@@ -163,7 +200,27 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         default=[],
         metavar="NAME=MODEL",
-        help="answer requests for model NAME (a glob, e.g. 'claude*') with the served model",
+        help="answer requests for model NAME (a glob, e.g. 'claude-haiku*') with MODEL, a configured "
+        "model's name, or with whichever model is loaded when MODEL is empty",
+    )
+    serve_parser.add_argument(
+        "--add-model",
+        action="append",
+        default=[],
+        metavar="NAME=SOURCE",
+        help="another model requests may switch to by NAME (SOURCE: a local MLX dir or a hub id)",
+    )
+    serve_parser.add_argument(
+        "--idle-unload-s",
+        type=float,
+        default=None,
+        help="unload the model after this many seconds without requests (reloaded on the next one)",
+    )
+    serve_parser.add_argument(
+        "--swap-drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="how long running requests may finish before a model swap cancels them",
     )
     serve_parser.add_argument(
         "--temperature",

@@ -3,42 +3,11 @@
 from __future__ import annotations
 
 import json
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
-from mlx_lm import load, stream_generate
 
-
-def call(server, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:  # type: ignore[no-untyped-def]
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        server.base_url + path, data=data, method=method, headers={"content-type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=300) as reply:
-            raw = reply.read()
-            status = reply.status
-    except urllib.error.HTTPError as error:
-        raw, status = error.read(), error.code
-    if raw.startswith(b"event:"):
-        return status, raw.decode()
-    return status, json.loads(raw)
-
-
-def conversation_tokens(cache_dir: Path, agent_id: str, num_turns: int) -> list[int]:
-    """The kept conversation once its record shows `num_turns` (written just after each reply)."""
-    for _ in range(100):
-        for path in cache_dir.glob(f"agents/*/{agent_id}.conversation.json"):
-            record = json.loads(path.read_text())
-            if record["num_turns"] == num_turns:
-                tokens: list[int] = record["token_ids"]
-                return tokens
-        time.sleep(0.05)
-    raise AssertionError(f"the conversation of {agent_id} never reached {num_turns} turns")
+from tests.agent_api_client import call, cold_continuation, conversation_tokens
 
 
 @pytest.mark.parametrize("model", ["default", "gemma3"])
@@ -78,11 +47,7 @@ def test_kept_conversation_resumes_token_exactly_after_a_restart(  # type: ignor
     assert prompt[: len(before)] == before  # the server continued the kept tokens, not a re-render
 
     # Oracle: what a cold model produces for the same full prompt, in this process.
-    cold_model, tokenizer = load(str(model_dir))
-    eos = set(tokenizer.eos_token_ids)
-    steps = stream_generate(cold_model, tokenizer, prompt, max_tokens=options["max_tokens"])
-    cold = [step.token for step in steps if step.token not in eos]
-    assert after[usage["prompt_tokens"] :] == cold
+    assert after[usage["prompt_tokens"] :] == cold_continuation(model_dir, prompt, options["max_tokens"])
     restarted.stop()
 
 

@@ -1,0 +1,48 @@
+"""A small client for the direct agent API over urllib, and the token-exact oracle tests share."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from mlx_lm import load, stream_generate
+
+
+def call(server, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:  # type: ignore[no-untyped-def]
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        server.base_url + path, data=data, method=method, headers={"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            raw = reply.read()
+            status = reply.status
+    except urllib.error.HTTPError as error:
+        raw, status = error.read(), error.code
+    if raw.startswith(b"event:"):
+        return status, raw.decode()
+    return status, json.loads(raw)
+
+
+def conversation_tokens(cache_dir: Path, agent_id: str, num_turns: int) -> list[int]:
+    """The kept conversation once its record shows `num_turns` (written just after each reply)."""
+    for _ in range(100):
+        for path in cache_dir.glob(f"agents/*/{agent_id}.conversation.json"):
+            record = json.loads(path.read_text())
+            if record["num_turns"] == num_turns:
+                tokens: list[int] = record["token_ids"]
+                return tokens
+        time.sleep(0.05)
+    raise AssertionError(f"the conversation of {agent_id} never reached {num_turns} turns")
+
+
+def cold_continuation(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """What a freshly loaded model generates greedily for `prompt`, end-of-turn tokens dropped."""
+    cold_model, tokenizer = load(str(model_dir))
+    eos = set(tokenizer.eos_token_ids)
+    steps = stream_generate(cold_model, tokenizer, prompt, max_tokens=max_tokens)
+    return [step.token for step in steps if step.token not in eos]
