@@ -44,6 +44,7 @@ fmt:
 bench:
     {{fast}} {{py}} -m bench.batching
     {{fast}} {{py}} -m bench.agent_resume
+    {{fast}} {{py}} -m bench.model_swap
 
 # Fetch and convert the default model into the user cache.
 fetch-model *ARGS:

@@ -1,0 +1,118 @@
+"""Model swap latency and memory: default model <-> a tiny second model, phase by phase.
+
+Each swap drains the running batch (here one request is still decoding when it is asked for),
+flushes every hot agent cache to disk, unloads (MLX memory back), loads the other model and is
+ready. Memory is MLX's active memory before the first load, loaded, and after unloading.
+Writes bench/results/model_swap.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from actors.system import AgentSystem, SwapReport, SystemConfig
+from bench.common import write_results
+from engine.default_model import ensure_default_model
+from engine.engine import EngineConfig
+from engine.registry import ModelEntry
+from engine.sampling import SamplingParams
+from tests.tiny_models import build_tiny_model
+
+ROUNDS = 3
+AGENTS = 4
+SYSTEM_PROMPT = "You are a careful assistant who answers in full sentences. " * 40  # ~500 tokens
+
+
+async def warm_agents(system: AgentSystem) -> None:
+    for index in range(AGENTS):
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"Hello {index}"},
+        ]
+        stream = await system.converse(
+            f"agent-{index}", messages, SamplingParams(temperature=0, max_tokens=8)
+        )
+        async for _ in stream:
+            pass
+
+
+async def swap_while_decoding(system: AgentSystem, target: str) -> SwapReport:
+    """Ask for the swap while a 48-token reply is still decoding: the drain waits for it."""
+    stream = await system.converse(
+        "agent-busy", [{"role": "user", "content": "Tell me a story."}], SamplingParams(max_tokens=48)
+    )
+    consumer = asyncio.create_task(_consume(stream))
+    await asyncio.sleep(0.5)
+    report = await system.swap_model(target)
+    await consumer
+    assert report is not None and report.error is None, report
+    return report
+
+
+async def _consume(stream: Any) -> None:
+    async for _ in stream:
+        pass
+
+
+def phases(reports: list[SwapReport]) -> dict[str, float]:
+    keys = ("drain_s", "flush_s", "unload_s", "load_s", "total_s")
+    return {key: round(statistics.median(getattr(r, key) for r in reports), 3) for key in keys}
+
+
+async def main() -> None:
+    default_dir = ensure_default_model("float32")
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_dir = build_tiny_model("qwen2", Path(tmp) / "tiny-qwen2", default_dir)
+        config = SystemConfig(
+            engine=EngineConfig(model=str(default_dir), cache_budget_mb=1024),
+            cache_dir=Path(tmp) / "cache",
+            extra_models=(ModelEntry("tiny", str(tiny_dir)),),
+        )
+        system = AgentSystem(config)
+        started = time.perf_counter()
+        await system.start()
+        first_load_s = time.perf_counter() - started
+        memory_loaded = mx.get_active_memory()
+        default_name = system.registry.initial.name
+        to_tiny: list[SwapReport] = []
+        to_default: list[SwapReport] = []
+        for _ in range(ROUNDS):
+            await warm_agents(system)
+            to_tiny.append(await swap_while_decoding(system, "tiny"))
+            to_default.append(await swap_while_decoding(system, default_name))
+        await warm_agents(system)
+        unloaded = await system.unload_model()
+        assert unloaded is not None
+        await system.stop()
+
+    before = system.active_memory_before_load
+    footprint = unloaded.active_memory_before_unload - before
+    results = {
+        "model": default_name,
+        "first_load_s": round(first_load_s, 3),
+        "rounds": ROUNDS,
+        "agents_flushed_per_swap": to_tiny[0].num_flushed,
+        "default_to_tiny": phases(to_tiny),
+        "tiny_to_default": phases(to_default),
+        "memory_bytes": {
+            "before_first_load": before,
+            "default_loaded_idle": memory_loaded,
+            "default_loaded_with_agent_caches": unloaded.active_memory_before_unload,
+            "after_unload": unloaded.active_memory_after_unload,
+            "left_after_unload_pct_of_footprint": round(
+                100 * (unloaded.active_memory_after_unload - before) / footprint, 3
+            ),
+        },
+    }
+    write_results("model_swap", results)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
