@@ -342,6 +342,7 @@ class Engine:
                 failed += 1
         if not (self._running or self._waiting):
             self._drain = None
+            self._flush()  # every request's last events reach the loop before the drain's reply
             drain.loop.call_soon_threadsafe(_set_result, drain.reply, failed)
 
     def _close(self) -> None:
@@ -362,8 +363,8 @@ class Engine:
                 self._admit()
                 if self._running:
                     self._step()
-            self._check_drain()
             self._flush()
+            self._check_drain()
             self._update_stats()
             if self._running or self._waiting:
                 remaining = self.config.tick_s - (time.perf_counter() - tick_start)

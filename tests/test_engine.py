@@ -150,3 +150,29 @@ async def test_prompt_started_reports_reuse(engine: Engine) -> None:
             started = event
     assert started is not None
     assert started.num_cached_tokens == len(prompt) + len(tokens)
+
+
+async def test_drain_waits_for_the_batch_then_fails_what_outlives_its_timeout(engine: Engine) -> None:
+    quick = submit(engine, chat(engine, PROMPTS[2]), temperature=0.0, max_tokens=4)
+    assert await engine.drain(60, "a test drain") == 0  # waits for `quick` rather than failing it
+    assert quick.done.done() and isinstance(quick.done.result(), Finished)
+
+    before = await pool_state(engine)
+
+    slow = submit(engine, chat(engine, PROMPTS[3]), temperature=0.0, max_tokens=400)
+    waiting = submit(engine, chat(engine, PROMPTS[0]), temperature=0.0, max_tokens=400)
+    assert await engine.drain(0.3, "a test drain") in (1, 2)
+    for stream in (slow, waiting):
+        with pytest.raises(Exception, match="cancelled: a test drain, and the drain timeout passed"):
+            await collect(stream)
+    assert await pool_state(engine) == before
+
+
+async def test_a_request_tokenized_for_another_model_is_refused(engine: Engine) -> None:
+    from engine.engine import ModelChangedError
+
+    request = GenerationRequest(
+        "x", chat(engine, "hi"), SamplingParams(max_tokens=2), model_fingerprint="other"
+    )
+    with pytest.raises(ModelChangedError):
+        engine.submit(request)
