@@ -1,12 +1,10 @@
 """AgentSystem: the engine, the persistence actor and the agent actors, started and stopped together.
 
-Usable from any asyncio program without HTTP:
+Usable from any asyncio program without HTTP (see actors/handle.py and scripts/embed_example.py):
 
-    system = AgentSystem(SystemConfig())
-    await system.start()
-    stream = await system.generate("my-agent", prompt_tokens, SamplingParams(max_tokens=64))
-    async for event in stream: ...
-    await system.stop()
+    async with AgentSystem(SystemConfig()) as system:
+        agent = await system.open("my-agent", system_prompt="You are terse.")
+        async for text in agent.say("Hello"): ...
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from pathlib import Path
 from loguru import logger
 
 from actors.agent import AgentActor, Converse, Evict, Generate, Open
+from actors.handle import AgentHandle
 from actors.identity import validate_agent_id
 from engine.chat_format import ChatFormat, ChatMessage
 from engine.default_model import user_cache_dir
@@ -430,6 +429,21 @@ class AgentSystem:
     async def open_agent(self, agent_id: str, system_prompt: str | None) -> None:
         """Create (or reset) an agent's kept conversation with a system prompt."""
         await self.agent(agent_id).ask(Open(system_prompt))
+
+    async def open(self, agent_id: str, system_prompt: str | None = None, resume: bool = True) -> AgentHandle:
+        """A handle on an agent for embedding: resumes its kept conversation if it has one."""
+        await self.use_model()
+        existing = await self.load_conversation(agent_id) if resume else None
+        if existing is None:
+            await self.open_agent(agent_id, system_prompt)
+        return AgentHandle(self, agent_id)
+
+    async def __aenter__(self) -> AgentSystem:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
 
     async def save_conversation(self, agent_id: str, record: ConversationRecord) -> None:
         if self.persistence is not None:
