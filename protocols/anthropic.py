@@ -9,6 +9,8 @@ before rendering so consecutive turns share their cached prefix.
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import re
 import secrets
 import string
@@ -32,6 +34,7 @@ from protocols.common import (
     ready_model,
     sse_response,
 )
+from protocols.reasoning import ReasoningSplitter, ThinkingEnd, ThinkingPart, prompt_opens_thinking
 from protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallParser, ToolCallStart
 
 PING_INTERVAL_S = 5.0
@@ -126,6 +129,11 @@ class OutText(msgspec.Struct, tag="text", tag_field="type"):
     text: str
 
 
+class OutThinking(msgspec.Struct, tag="thinking", tag_field="type"):
+    thinking: str
+    signature: str = ""
+
+
 class OutToolUse(msgspec.Struct, tag="tool_use", tag_field="type"):
     id: str
     name: str
@@ -135,7 +143,7 @@ class OutToolUse(msgspec.Struct, tag="tool_use", tag_field="type"):
 class MessageResponse(msgspec.Struct):
     id: str
     model: str
-    content: list[OutText | OutToolUse]
+    content: list[OutThinking | OutText | OutToolUse]
     stop_reason: str | None
     stop_sequence: str | None
     usage: Usage
@@ -270,15 +278,26 @@ class PreparedRequest(msgspec.Struct):
     prompt: list[int]
     prefix: str
     parse_tools: bool
+    starts_in_thinking: bool
+
+    def reasoning(self) -> ReasoningSplitter | None:
+        """How to read the reply's `<think>` block; none after a forced tool call's opening."""
+        return None if self.prefix else ReasoningSplitter(inside=self.starts_in_thinking)
 
 
 def prepare(system: AgentSystem, body: MessagesRequest) -> PreparedRequest:
     chat = system.chat_format
     tools = tool_schemas(body.tools)
+    messages = to_chat_messages(body)
+    # A final assistant message is a prefill: the reply continues it (it is not echoed back).
+    prefill = ""
+    last = messages[-1]
+    if last["role"] == "assistant" and isinstance(last.get("content"), str) and not last.get("tool_calls"):
+        prefill = messages.pop()["content"]
     prefix = forced_prefix(chat, body.tool_choice, [t["function"]["name"] for t in tools or ()])
-    prompt = chat.prompt_tokens(to_chat_messages(body), tools, prefill=prefix)
+    text = chat.render(messages, tools) + prefill + prefix
     parse_tools = tools is not None and not (body.tool_choice and body.tool_choice.type == "none")
-    return PreparedRequest(prompt, prefix, parse_tools)
+    return PreparedRequest(chat.encode(text), prefix, parse_tools, prompt_opens_thinking(text))
 
 
 async def _decode(request: web.Request) -> MessagesRequest | web.Response:
@@ -365,14 +384,23 @@ async def messages(request: web.Request) -> web.StreamResponse:
     parser = ToolCallParser(enabled=prepared.parse_tools)
     message_id = new_id("msg_")
     if body.stream:
-        return await _stream(request, stream, parser, prepared.prefix, message_id, model.name)
+        return await _stream(request, stream, parser, prepared, message_id, model.name)
 
-    content: list[OutText | OutToolUse] = []
+    content: list[OutThinking | OutText | OutToolUse] = []
     started: PromptStarted | None = None
     finished: Finished | None = None
     try:
-        async for event in parsed_events(stream, parser, prepared.prefix):
+        async for event in parsed_events(stream, parser, prepared.prefix, prepared.reasoning()):
             match event:
+                case ThinkingPart(text=text):
+                    if content and isinstance(content[-1], OutThinking) and not content[-1].signature:
+                        content[-1].thinking += text
+                    else:
+                        content.append(OutThinking(text))
+                case ThinkingEnd():
+                    if not (content and isinstance(content[-1], OutThinking)):
+                        content.append(OutThinking(""))
+                    content[-1].signature = thinking_signature(content[-1].thinking)  # type: ignore[union-attr]
                 case PromptStarted():
                     started = event
                 case TextPart(text=text):
@@ -402,6 +430,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
     return web.Response(body=_encode(reply), content_type="application/json")
 
 
+def thinking_signature(thinking: str) -> str:
+    """An opaque signature for a thinking block (clients echo it back; we never replay reasoning)."""
+    return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
+
+
 class _BlockWriter:
     """Turns parsed parts into content_block_start/delta/stop events with running indices."""
 
@@ -411,6 +444,7 @@ class _BlockWriter:
         self.open_kind: str | None = None
         self.pending_space = ""
         self.called_tool = False
+        self.thinking_text = ""
 
     async def event(self, name: str, data: dict[str, Any]) -> None:
         await self.response.write(f"event: {name}\ndata: ".encode() + _encode(data) + b"\n\n")
@@ -443,6 +477,19 @@ class _BlockWriter:
             await self.open("text", {"type": "text", "text": ""})
         await self.delta({"type": "text_delta", "text": text})
 
+    async def thinking(self, text: str) -> None:
+        if self.open_kind != "thinking":
+            self.thinking_text = ""
+            await self.open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        self.thinking_text += text
+        await self.delta({"type": "thinking_delta", "thinking": text})
+
+    async def end_thinking(self) -> None:
+        if self.open_kind != "thinking":
+            await self.thinking("")
+        await self.delta({"type": "signature_delta", "signature": thinking_signature(self.thinking_text)})
+        await self.close()
+
     async def tool_start(self, name: str) -> None:
         self.pending_space = ""
         self.called_tool = True
@@ -450,7 +497,12 @@ class _BlockWriter:
 
 
 async def _stream(
-    request: web.Request, stream: Any, parser: ToolCallParser, prefix: str, message_id: str, model_name: str
+    request: web.Request,
+    stream: Any,
+    parser: ToolCallParser,
+    prepared: PreparedRequest,
+    message_id: str,
+    model_name: str,
 ) -> web.StreamResponse:
     response = await sse_response(request)
     blocks = _BlockWriter(response)
@@ -463,7 +515,7 @@ async def _stream(
             await asyncio.sleep(PING_INTERVAL_S)
 
     try:
-        async for event in parsed_events(stream, parser, prefix):
+        async for event in parsed_events(stream, parser, prepared.prefix, prepared.reasoning()):
             if isinstance(event, PromptStarted):
                 started = event
                 start_usage = msgspec.to_builtins(_usage(started, 0))
@@ -484,6 +536,10 @@ async def _stream(
                 pinger.cancel()
                 pinger = None
             match event:
+                case ThinkingPart(text=text):
+                    await blocks.thinking(text)
+                case ThinkingEnd():
+                    await blocks.end_thinking()
                 case TextPart(text=text):
                     await blocks.text(text)
                 case ToolCallStart(name=name):

@@ -11,6 +11,7 @@ from actors.system import AgentSystem
 from engine.engine import RequestStream
 from engine.loading import LoadedModel
 from engine.messages import Finished, PromptProgress, PromptStarted, TokenDelta
+from protocols.reasoning import ReasoningSplitter, ThinkingEnd, ThinkingPart
 from protocols.tool_parser import ParsedPart, ToolCallParser
 
 
@@ -46,23 +47,35 @@ async def sse_response(request: web.Request) -> web.StreamResponse:
     return response
 
 
-TurnEvent = PromptStarted | PromptProgress | ParsedPart | Finished
+TurnEvent = PromptStarted | PromptProgress | ParsedPart | ThinkingPart | ThinkingEnd | Finished
 
 
 async def parsed_events(
-    stream: RequestStream, parser: ToolCallParser, prefix: str = ""
+    stream: RequestStream,
+    parser: ToolCallParser,
+    prefix: str = "",
+    reasoning: ReasoningSplitter | None = None,
 ) -> AsyncIterator[TurnEvent]:
-    """The engine's events with generated text split into text and tool-call parts.
+    """The engine's events with generated text split into reasoning, text and tool-call parts.
 
     `prefix` is reply text that was written into the prompt (a forced tool call's opening); it is
-    parsed as if generated, right after the prompt starts.
+    parsed as if generated, right after the prompt starts. `reasoning`, when given, first takes
+    the model's `<think>` block out of the reply.
     """
+
+    def split(text: str, final: bool = False) -> list[TurnEvent]:
+        pieces = (reasoning.finish() if final else reasoning.feed(text)) if reasoning else [text]
+        parts: list[TurnEvent] = []
+        for piece in pieces:
+            parts += parser.feed(piece) if isinstance(piece, str) else [piece]
+        return parts + (list(parser.finish()) if final else [])
+
     async for event in stream:
         if isinstance(event, TokenDelta):
-            for part in parser.feed(event.text):
+            for part in split(event.text):
                 yield part
         elif isinstance(event, Finished):
-            for part in parser.finish():
+            for part in split("", final=True):
                 yield part
             yield event
         elif isinstance(event, PromptStarted):

@@ -207,3 +207,38 @@ def test_errors_come_in_anthropic_shape(server) -> None:  # type: ignore[no-unty
         assert caught.value.code == status
         error = json.loads(caught.value.read())
         assert error["type"] == "error" and error["error"]["message"], error
+
+
+def test_reasoning_comes_back_as_a_signed_thinking_block(server) -> None:  # type: ignore[no-untyped-def]
+    # Prefilling the reply with `<think>` puts it inside a reasoning block, as a reasoning model's
+    # template does; the default model never writes `</think>`, so the reply's end closes the block.
+    messages = [*QUESTION, {"role": "assistant", "content": "<think>"}]
+    body = {"model": "claude-local", "max_tokens": 12, "messages": messages, "stream": True, **GREEDY}
+    events = raw_events(server, body)
+    names = [name for name, _ in events if name != "ping"]
+    deltas = [data["delta"] for name, data in events if name == "content_block_delta"]
+    assert names[:2] == ["message_start", "content_block_start"]
+    assert names[2:] == ["content_block_delta"] * len(deltas) + [
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert events[[n for n, _ in events].index("content_block_start")][1]["content_block"] == {
+        "type": "thinking",
+        "thinking": "",
+        "signature": "",
+    }
+    assert {d["type"] for d in deltas[:-1]} == {"thinking_delta"} and deltas[-1]["type"] == "signature_delta"
+    thinking = "".join(d["thinking"] for d in deltas[:-1])
+    assert thinking.strip() and "<think>" not in thinking
+    assert events[-2][1]["delta"]["stop_reason"] in {"end_turn", "max_tokens"}
+
+    reply = client_for(server).messages.create(
+        model="claude-local",
+        max_tokens=12,
+        messages=messages,
+        extra_body=GREEDY,  # type: ignore[arg-type]
+    )
+    block = reply.content[0]
+    assert block.type == "thinking" and block.thinking == thinking
+    assert block.signature == deltas[-1]["signature"]
