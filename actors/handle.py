@@ -42,7 +42,6 @@ class AgentHandle:
     ) -> AsyncIterator[str]:
         """Yield the reply's text as it is generated. Breaking out of the loop cancels the turn."""
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, **sampling)  # type: ignore[arg-type]
-        await self.system.use_model()
         stream = await self.system.converse(self.agent_id, [{"role": "user", "content": content}], params)
         tier = "none"
         async for event in stream:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import mlx.core as mx
 from loguru import logger
 
 from actors.agent import AgentActor, Converse, Evict, Generate, Open
@@ -49,6 +50,10 @@ class SystemConfig:
 
 class ModelUnavailableError(EngineError):
     """No model could be made ready in time for a request (a swap failed or took too long)."""
+
+
+class ModelLoadError(ModelUnavailableError):
+    """The requested model failed to load (the previous one, if any, was loaded back)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +113,6 @@ class AgentSystem:
         return self._chat_format
 
     async def start(self) -> None:
-        import mlx.core as mx
-
         self.active_memory_before_load = mx.get_active_memory()
         await self.engine.start()
         await self._attach(self.registry.initial)
@@ -148,7 +151,7 @@ class AgentSystem:
         """The loaded model once it is `name` (None: whichever is loaded, reloading after idle).
 
         Swaps when another registry model is named; requests arriving meanwhile wait here, up to
-        `model_wait_s`. Raises ModelUnavailableError if the model cannot be made ready.
+        `model_wait_s`. Raises ModelLoadError if it fails to load, ModelUnavailableError on timeout.
         """
         deadline = time.monotonic() + self.config.model_wait_s
         while True:
@@ -156,16 +159,13 @@ class AgentSystem:
             if self._transition is not None:
                 await self._wait_for_transition(self._transition, deadline)
                 continue
-            loaded = self.engine.loaded
-            wanted = self._last_entry if name is None and loaded is None else self.registry.get(name or "")
-            if loaded is not None and (wanted is None or wanted == self.model_entry):
-                return loaded
-            assert wanted is not None, "caller passes registry names only"
-            del loaded  # a reference held across the swap would keep the old weights alive
-            transition = self._begin_transition(wanted)
-            report = await self._wait_for_transition(transition, deadline)
-            if report.error is not None and report.to_model == wanted.name:
-                raise ModelUnavailableError(report.error)
+            wanted = self.registry.get(name) if name else None
+            if self.engine.loaded is not None and wanted in (None, self.model_entry):
+                return self.engine.loaded
+            target = wanted or self._last_entry
+            report = await self._wait_for_transition(self._begin_transition(target), deadline)
+            if report.error is not None:
+                raise ModelLoadError(report.error)
 
     async def swap_model(self, name: str) -> SwapReport | None:
         """Make `name` the loaded model now; the report of the swap, or None if it was loaded."""
@@ -208,41 +208,17 @@ class AgentSystem:
         """Drain, flush and unload the current model, then load `target` (the old one if that fails)."""
         started = time.perf_counter()
         old = self.model_entry
-        phases: dict[str, float | int] = {}
+        report = SwapReport(old.name if old else None, target.name if target else None)
         if self.engine.loaded is not None:
-            phases = await self._detach(f"the model is switching to {target.name if target else 'unloaded'}")
-        report = SwapReport(old.name if old else None, target.name if target else None, **phases)  # type: ignore[arg-type]
-        if target is None:
-            report = replace(report, total_s=time.perf_counter() - started)
-            logger.info("unloaded {} in {:.2f} s", report.from_model, report.total_s)
-            self.last_swap = report
-            return report
-        load_started = time.perf_counter()
-        try:
-            await self.engine.load(target.source, target.name)
-            await self._attach(target)
-        except Exception as error:
-            message = f"could not load model {target.name!r} from {target.source!r}: {error}"
-            logger.error("{}", message)
-            if old is not None:
-                await self.engine.load(old.source, old.name)
-                await self._attach(old)
-                message += f"; still serving {old.name!r}"
-            report = replace(report, error=message, total_s=time.perf_counter() - started)
-            self.last_swap = report
-            return report
-        import mlx.core as mx
-
-        report = replace(
-            report,
-            load_s=time.perf_counter() - load_started,
-            total_s=time.perf_counter() - started,
-            active_memory_after_load=mx.get_active_memory(),
-        )
+            report = await self._detach(report)
+        if target is not None:
+            report = await self._load(target, old, report)
+        report = replace(report, total_s=time.perf_counter() - started)
         logger.info(
-            "switched {} -> {} in {:.2f} s (drain {:.2f}, flush {:.2f}, unload {:.2f}, load {:.2f})",
+            "{} {} -> {} in {:.2f} s (drain {:.2f}, flush {:.2f}, unload {:.2f}, load {:.2f})",
+            "failed to switch" if report.error else "switched",
             report.from_model,
-            report.to_model,
+            report.to_model or "unloaded",
             report.total_s,
             report.drain_s,
             report.flush_s,
@@ -251,6 +227,23 @@ class AgentSystem:
         )
         self.last_swap = report
         return report
+
+    async def _load(self, target: ModelEntry, fallback: ModelEntry | None, report: SwapReport) -> SwapReport:
+        started = time.perf_counter()
+        try:
+            await self.engine.load(target.source, target.name)
+            await self._attach(target)
+        except Exception as error:
+            message = f"could not load model {target.name!r} from {target.source!r}: {error}"
+            logger.error("{}", message)
+            if fallback is not None:
+                await self.engine.load(fallback.source, fallback.name)
+                await self._attach(fallback)
+                message += f"; still serving {fallback.name!r}"
+            return replace(report, error=message)
+        return replace(
+            report, load_s=time.perf_counter() - started, active_memory_after_load=mx.get_active_memory()
+        )
 
     async def _attach(self, entry: ModelEntry) -> None:
         loaded = self.engine.model
@@ -265,11 +258,10 @@ class AgentSystem:
             self.engine.on_evict = self._write_evicted
         self.model_entry = self._last_entry = entry
 
-    async def _detach(self, reason: str) -> dict[str, float | int]:
+    async def _detach(self, report: SwapReport) -> SwapReport:
         """Let the batch finish (bounded), write every hot cache to disk, drop the model."""
-        import mlx.core as mx
-
         started = time.perf_counter()
+        reason = f"the model is switching to {report.to_model or 'unloaded'}"
         num_cancelled = await self.engine.drain(self.config.swap_drain_timeout_s, reason)
         drained = time.perf_counter()
         if self._pending_writes:
@@ -283,15 +275,16 @@ class AgentSystem:
         if self.persistence is not None:
             await self.persistence.stop()
             self.persistence = None
-        return {
-            "drain_s": drained - started,
-            "num_cancelled": num_cancelled,
-            "flush_s": flushed - drained,
-            "num_flushed": len(written),
-            "unload_s": time.perf_counter() - flushed,
-            "active_memory_before_unload": memory_before,
-            "active_memory_after_unload": mx.get_active_memory(),
-        }
+        return replace(
+            report,
+            drain_s=drained - started,
+            num_cancelled=num_cancelled,
+            flush_s=flushed - drained,
+            num_flushed=len(written),
+            unload_s=time.perf_counter() - flushed,
+            active_memory_before_unload=memory_before,
+            active_memory_after_unload=mx.get_active_memory(),
+        )
 
     async def _unload_when_idle(self, idle_s: float) -> None:
         while True:
@@ -399,7 +392,7 @@ class AgentSystem:
 
     async def forget_agent(self, agent_id: str) -> bool:
         """Stop the agent and drop its cache and conversation from memory and disk; False if unknown."""
-        known = agent_id in self._agents or any(a.agent_id == agent_id for a in await self.list_agents())
+        known = agent_id in self._agents or await self.agent_info(agent_id) is not None
         actor = self._agents.pop(agent_id, None)
         if actor is not None:
             actor.stop_nowait()
@@ -454,25 +447,33 @@ class AgentSystem:
             return None
         return await self.persistence.load_conversation(agent_id)
 
-    async def list_agents(self) -> list[AgentInfo]:
+    async def list_agents(self, only: str | None = None) -> list[AgentInfo]:
+        """Every known agent (or just `only`) with its cached tokens and where its cache is."""
+
+        def wanted(agent_id: str) -> bool:
+            return only is None or agent_id == only
+
         def in_memory(engine: Engine) -> list[AgentInfo]:
             if engine.loaded is None:
                 return []
             now = time.monotonic()
-            return [
-                AgentInfo(a.agent_id, a.num_tokens, "memory", now - a.last_used)
-                for a in engine.store.agents.values()
-            ]
+            agents = engine.store.agents
+            cached = agents.values() if only is None else [agents[only]] if only in agents else []
+            return [AgentInfo(a.agent_id, a.num_tokens, "memory", now - a.last_used) for a in cached]
 
         infos = {info.agent_id: info for info in await self.engine.call(in_memory)}
         if self.persistence is not None:
-            for agent_id in self.persistence.agent_ids_on_disk - infos.keys():
+            for agent_id in filter(wanted, self.persistence.agent_ids_on_disk - infos.keys()):
                 cache_on_disk = self.persistence.is_on_disk(agent_id)
                 infos[agent_id] = AgentInfo(agent_id, 0, "disk" if cache_on_disk else "none", None)
         for agent_id, actor in self._agents.items():
-            if agent_id not in infos and actor.conversation is not None:
+            if wanted(agent_id) and agent_id not in infos and actor.conversation is not None:
                 infos[agent_id] = AgentInfo(agent_id, 0, "none", None)
         return sorted(infos.values(), key=lambda info: info.agent_id)
+
+    async def agent_info(self, agent_id: str) -> AgentInfo | None:
+        found = await self.list_agents(only=agent_id)
+        return found[0] if found else None
 
     def _write_evicted(self, caches: list[SerializedCache]) -> None:
         assert self.persistence is not None

@@ -16,10 +16,11 @@ from typing import Any
 import aiohttp
 
 from actors.system import AgentSystem, SystemConfig
-from bench.common import Server, write_results
+from bench.common import write_results
 from engine.default_model import ensure_default_model
 from engine.engine import EngineConfig
 from engine.sampling import SamplingParams
+from tests.server_process import ServerProcess
 
 PORT = 8792
 FACTS = [
@@ -92,7 +93,7 @@ async def turn(session: aiohttp.ClientSession, agent: str, messages: list[dict[s
 
 async def cold_ttft(model_dir: Path, cache_dir: Path, messages: list[dict[str, str]]) -> dict[str, Any]:
     """A fresh server with an empty cache: the whole prompt is prefilled."""
-    server = Server(PORT, cache_dir, "--model", str(model_dir))
+    server = ServerProcess(cache_dir, "--model", str(model_dir), port=PORT).start()
     try:
         async with aiohttp.ClientSession() as session:
             return await turn(session, "cold", messages)
@@ -102,7 +103,7 @@ async def cold_ttft(model_dir: Path, cache_dir: Path, messages: list[dict[str, s
 
 async def resume_figures(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
     history = history_messages(20)
-    server = Server(PORT, cache_dir / "agents", "--model", str(model_dir))
+    server = ServerProcess(cache_dir / "agents", "--model", str(model_dir), port=PORT).start()
     try:
         async with aiohttp.ClientSession() as session:
             first = await turn(session, "returning", history)  # builds the agent's cache
@@ -111,7 +112,7 @@ async def resume_figures(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
     finally:
         server.stop()  # SIGTERM: flushes caches to disk
     second = [*returning, {"role": "assistant", "content": warm["text"]}, NEW_TURN]
-    server = Server(PORT, cache_dir / "agents", "--model", str(model_dir))
+    server = ServerProcess(cache_dir / "agents", "--model", str(model_dir), port=PORT).start()
     try:
         async with aiohttp.ClientSession() as session:
             disk = await turn(session, "returning", second)

@@ -15,8 +15,9 @@ import aiohttp
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
-from bench.common import Server, write_results
+from bench.common import write_results
 from engine.default_model import ensure_default_model
+from tests.server_process import ServerProcess
 
 CONCURRENCY = [1, 2, 4, 8]
 MAX_TOKENS = 96
@@ -102,13 +103,15 @@ def main() -> None:
     raw = {n: raw_tokens_per_s(model, tokenizer, n) for n in CONCURRENCY}
     del model
     with tempfile.TemporaryDirectory() as cache:
-        server = Server(8791, Path(cache), "--model", str(model_dir))
+        server = ServerProcess(Path(cache), "--model", str(model_dir), port=8791).start()
         try:
-            asyncio.run(http_tokens_per_s(server.url, tokenizer, 1))  # warm-up
+            asyncio.run(http_tokens_per_s(server.base_url, tokenizer, 1))  # warm-up
             health: list[float] = []
             http = {}
             for n in CONCURRENCY:
-                http[n] = asyncio.run(http_tokens_per_s(server.url, tokenizer, n, health if n == 8 else None))
+                http[n] = asyncio.run(
+                    http_tokens_per_s(server.base_url, tokenizer, n, health if n == 8 else None)
+                )
         finally:
             server.stop()
     rows = {

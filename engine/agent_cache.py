@@ -146,22 +146,45 @@ class AgentCacheStore:
         return PreparedPrompt(agent_id, self._build_caches(probe, num_reused), num_reused, "memory", None)
 
     def _build_caches(self, agent: AgentCache, num_tokens: int) -> list[Any]:
-        caches = self._new_caches()
         if num_tokens == 0:
-            return caches
-        num_blocks = self.spec.num_blocks_for(num_tokens)
-        payloads = [self.pool.payload(block_id) for block_id in agent.block_ids[:num_blocks]]
-        full_ids = self.spec.full_layer_ids
-        for slot, layer in enumerate(full_ids):
-            keys = mx.concatenate([p[slot][0] for p in payloads], axis=2)[..., :num_tokens, :]
-            values = mx.concatenate([p[slot][1] for p in payloads], axis=2)[..., :num_tokens, :]
+            return self._new_caches()
+        block_ids = agent.block_ids[: self.spec.num_blocks_for(num_tokens)]
+        full_layers = [
+            (k[..., :num_tokens, :], v[..., :num_tokens, :]) for k, v in self._full_layers(block_ids)
+        ]
+        return self._layer_caches(
+            full_layers, num_tokens, agent.sliding_states, agent.num_tokens - num_tokens
+        )
+
+    def _full_layers(self, block_ids: list[int]) -> list[tuple[mx.array, mx.array]]:
+        """Each full-attention layer's keys and values over `block_ids`, concatenated in order."""
+        payloads = [self.pool.payload(block_id) for block_id in block_ids]
+        return [
+            (
+                mx.concatenate([p[slot][0] for p in payloads], axis=2),
+                mx.concatenate([p[slot][1] for p in payloads], axis=2),
+            )
+            for slot in range(len(self.spec.full_layer_ids))
+        ]
+
+    def _layer_caches(
+        self,
+        full_layers: list[tuple[Any, Any]],
+        num_tokens: int,
+        sliding_states: list[Any],
+        sliding_trim: int = 0,
+    ) -> list[Any]:
+        """mlx-lm per-layer cache objects: full layers from keys/values, sliding ones from states."""
+        caches = self._new_caches()
+        for (keys, values), layer in zip(full_layers, self.spec.full_layer_ids, strict=True):
             full = KVCache()
             full.state = (keys, values, num_tokens)
             caches[layer] = full
-        for slot, layer in enumerate(self.spec.sliding_layer_ids):
+        for state, layer in zip(sliding_states, self.spec.sliding_layer_ids, strict=True):
             sliding = RotatingKVCache(max_size=1)
-            sliding.state = agent.sliding_states[slot]
-            sliding.trim(agent.num_tokens - num_tokens)
+            sliding.state = state
+            if sliding_trim:
+                sliding.trim(sliding_trim)
             caches[layer] = sliding
         return caches
 
@@ -246,28 +269,18 @@ class AgentCacheStore:
 
     def snapshot(self, agent_id: str) -> CacheSnapshot:
         agent = self.agents[agent_id]
-        payloads = [self.pool.payload(block_id) for block_id in agent.block_ids]
-        full_layers = []
-        for slot in range(len(self.spec.full_layer_ids)):
-            keys = mx.concatenate([p[slot][0] for p in payloads], axis=2) if payloads else None
-            values = mx.concatenate([p[slot][1] for p in payloads], axis=2) if payloads else None
-            full_layers.append((keys, values))
+        full_layers: list[tuple[Any, Any]] = (
+            list(self._full_layers(agent.block_ids))
+            if agent.block_ids
+            else [(None, None)] * len(self.spec.full_layer_ids)
+        )
         return CacheSnapshot(agent_id, list(agent.token_ids), full_layers, list(agent.sliding_states))
 
     def restore(self, snapshot: CacheSnapshot) -> None:
         """Put a snapshot (loaded from disk) back into the pool as this agent's cache."""
         self.drop(snapshot.agent_id)
-        caches = self._new_caches()
         num_tokens = len(snapshot.token_ids)
-        for slot, layer in enumerate(self.spec.full_layer_ids):
-            keys, values = snapshot.full_layers[slot]
-            full = KVCache()
-            full.state = (keys, values, num_tokens)
-            caches[layer] = full
-        for slot, layer in enumerate(self.spec.sliding_layer_ids):
-            sliding = RotatingKVCache(max_size=1)
-            sliding.state = snapshot.sliding_layers[slot]
-            caches[layer] = sliding
+        caches = self._layer_caches(snapshot.full_layers, num_tokens, snapshot.sliding_layers)
         needed = self.spec.num_blocks_for(num_tokens)
         if not self.pool.can_allocate(needed):
             self.evict_until(needed)

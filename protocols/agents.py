@@ -90,13 +90,6 @@ def _agent_json(info: AgentInfo) -> dict[str, Any]:
     }
 
 
-async def _find(request: web.Request, agent_id: str) -> AgentInfo | None:
-    for info in await request.app[SYSTEM_KEY].list_agents():
-        if info.agent_id == agent_id:
-            return info
-    return None
-
-
 async def create_agent(request: web.Request) -> web.Response:
     system = request.app[SYSTEM_KEY]
     try:
@@ -106,7 +99,7 @@ async def create_agent(request: web.Request) -> web.Response:
         return error_response(400, f"invalid request body: {error}")
     except InvalidAgentIdError as error:
         return error_response(400, str(error))
-    if await _find(request, agent_id) is not None:
+    if await system.agent_info(agent_id) is not None:
         return error_response(409, f"agent {agent_id} already exists; DELETE it first", "conflict_error")
     try:
         model = await ready_model(system, body.model)
@@ -124,7 +117,7 @@ async def list_agents(request: web.Request) -> web.Response:
 
 
 async def get_agent(request: web.Request) -> web.Response:
-    info = await _find(request, request.match_info["agent_id"])
+    info = await request.app[SYSTEM_KEY].agent_info(request.match_info["agent_id"])
     if info is None:
         return error_response(404, f"no agent {request.match_info['agent_id']}", "not_found_error")
     return web.json_response(_agent_json(info))

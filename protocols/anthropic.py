@@ -398,9 +398,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
                     else:
                         content.append(OutThinking(text))
                 case ThinkingEnd():
-                    if not (content and isinstance(content[-1], OutThinking)):
-                        content.append(OutThinking(""))
-                    content[-1].signature = thinking_signature(content[-1].thinking)  # type: ignore[union-attr]
+                    block = content[-1] if content else None
+                    if not isinstance(block, OutThinking):
+                        block = OutThinking("")
+                        content.append(block)
+                    block.signature = thinking_signature(block.thinking)
                 case PromptStarted():
                     started = event
                 case TextPart(text=text):

@@ -9,7 +9,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from actors.system import AgentSystem, ModelUnavailableError, SwapReport, SystemConfig
+from actors.system import AgentSystem, ModelLoadError, ModelUnavailableError, SwapReport, SystemConfig
 from engine.registry import UnknownModelError
 from protocols import agents, anthropic, openai
 from protocols.common import SETTINGS_KEY, SYSTEM_KEY, ServerSettings
@@ -56,9 +56,10 @@ async def load_model(request: web.Request) -> web.Response:
         )
     try:
         report = await system.swap_model(entry.name)
+    except ModelLoadError as error:
+        return agents.error_response(500, str(error), "model_load_error")
     except ModelUnavailableError as error:
-        status = 500 if system.last_swap is not None and system.last_swap.error else 503
-        return agents.error_response(status, str(error), "model_load_error")
+        return agents.error_response(503, str(error), "overloaded_error")
     return web.json_response({"model": entry.name, "loaded": True, "swap": _report(report)})
 
 

@@ -23,7 +23,7 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path):  # type: ignore[no-untyped-def]
-    from tests.conftest import ServerProcess
+    from tests.server_process import ServerProcess
 
     process = ServerProcess(tmp_path_factory.mktemp("cache"), "--model", str(default_model_dir)).start()
     yield process
