@@ -40,11 +40,16 @@ fmt:
     {{venv}}/bin/ruff format .
     {{venv}}/bin/ruff check --fix .
 
-# Run the benchmarks; figures go to bench/results/.
+# Run the benchmarks (about an hour on a 2-core CPU); figures and plots go to bench/results/.
 bench:
     {{fast}} {{py}} -m bench.batching
     {{fast}} {{py}} -m bench.agent_resume
     {{fast}} {{py}} -m bench.model_swap
+    {{fast}} {{py}} -m bench.agent_replay
+
+# Only the multi-agent replay against mlx_lm.server (pass e.g. --agents 1 4).
+bench-replay *ARGS:
+    {{fast}} {{py}} -m bench.agent_replay {{ARGS}}
 
 # Fetch and convert the default model into the user cache.
 fetch-model *ARGS:

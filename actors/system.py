@@ -102,6 +102,7 @@ class AgentSystem:
         self._transition: asyncio.Task[SwapReport] | None = None
         self.transition_target: str | None = None
         self.last_swap: SwapReport | None = None
+        self.swap_history: list[SwapReport] = []
         self._last_used = time.monotonic()
         self._idle_watch: asyncio.Task[None] | None = None
         self.active_memory_before_load = 0  # MLX's, before the first model loaded
@@ -142,6 +143,10 @@ class AgentSystem:
             await self.persistence.stop()
 
     # ---- the model gate: every request passes here before it tokenizes ----
+
+    @property
+    def num_active_agents(self) -> int:
+        return max(len(self._agents), self.engine.stats.num_agents_cached)
 
     @property
     def is_switching(self) -> bool:
@@ -226,6 +231,7 @@ class AgentSystem:
             report.load_s,
         )
         self.last_swap = report
+        self.swap_history = [*self.swap_history[-99:], report]
         return report
 
     async def _load(self, target: ModelEntry, fallback: ModelEntry | None, report: SwapReport) -> SwapReport:

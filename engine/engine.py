@@ -119,6 +119,7 @@ class RequestStream:
         self.request = request
         self._events = events
         self.finished: Finished | None = None
+        self.observers: list[Callable[[Event], None]] = []  # see every event as it is read
 
     @property
     def done(self) -> asyncio.Future[Finished | BaseException]:
@@ -129,10 +130,18 @@ class RequestStream:
         if self.finished is None:
             self.engine.cancel(self.request.request_id)
 
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error` (raised to its reader) and free its batch slot."""
+        if self.finished is None:
+            self._events.put(error)
+            self.cancel()
+
     async def __aiter__(self) -> AsyncIterator[Event]:
         try:
             while self.finished is None:
                 event = await self._events.queue.get()
+                for observe in self.observers:
+                    observe(event)
                 if isinstance(event, BaseException):
                     self.finished = Finished(FinishReason.CANCELLED, None, 0, 0, 0)
                     raise event

@@ -26,6 +26,9 @@ from engine.messages import Finished, PromptStarted, TokenDelta
 from engine.registry import UnknownModelError
 from engine.sampling import SamplingParams
 from protocols.common import SETTINGS_KEY, SYSTEM_KEY, ready_model, sse_response
+from protocols.errors import ApiError
+from protocols.errors import agent_error as error_response
+from protocols.observe import admit, check_bounds, watch
 
 
 class CreateAgent(msgspec.Struct):
@@ -71,14 +74,6 @@ class TurnResult(msgspec.Struct):
 _decode_create = msgspec.json.Decoder(CreateAgent).decode
 _decode_turn = msgspec.json.Decoder(AgentTurn).decode
 _encode = msgspec.json.Encoder().encode
-
-
-def error_response(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.Response(
-        status=status,
-        body=_encode({"error": {"type": kind, "message": message}}),
-        content_type="application/json",
-    )
 
 
 def _agent_json(info: AgentInfo) -> dict[str, Any]:
@@ -149,10 +144,10 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         validate_agent_id(agent_id)
         body = _decode_turn(await request.read())
         sampling = SamplingParams(
-            temperature=settings.default_temperature if body.temperature is None else body.temperature,
+            temperature=settings.model.temperature if body.temperature is None else body.temperature,
             top_p=body.top_p,
             top_k=body.top_k,
-            max_tokens=body.max_tokens or settings.default_max_tokens,
+            max_tokens=body.max_tokens or settings.model.default_max_tokens,
             stop=tuple(body.stop),
             seed=body.seed,
         )
@@ -166,10 +161,12 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         messages = [{"role": "user", "content": body.content}]
     else:
         return error_response(400, "send `content` (a user message) or `messages`")
+    check_bounds(request, max_tokens=body.max_tokens, num_messages=len(messages))
     turn_id = f"turn-{uuid.uuid4().hex}"
     try:
         await ready_model(system, body.model)
-        stream = await system.converse(agent_id, messages, sampling, turn_id)
+        admit(request, agent_id)
+        stream = watch(request, await system.converse(agent_id, messages, sampling, turn_id))
     except (PromptTooLongError, ChatTemplateError) as error:
         return error_response(400, str(error))
     except UnknownModelError as error:
@@ -195,6 +192,8 @@ async def post_message(request: web.Request) -> web.StreamResponse:
                     finished = event
         except ValueError as error:
             return error_response(400, str(error))
+        except ApiError:
+            raise
         except Exception as error:
             return error_response(500, f"generation failed: {error}", "api_error")
         assert finished is not None

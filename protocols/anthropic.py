@@ -34,6 +34,9 @@ from protocols.common import (
     ready_model,
     sse_response,
 )
+from protocols.errors import ApiError
+from protocols.errors import anthropic_error as error_response
+from protocols.observe import admit, check_bounds, watch
 from protocols.reasoning import ReasoningSplitter, ThinkingEnd, ThinkingPart, prompt_opens_thinking
 from protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallParser, ToolCallStart
 
@@ -140,6 +143,10 @@ class OutToolUse(msgspec.Struct, tag="tool_use", tag_field="type"):
     input: dict[str, Any]
 
 
+class TokenCount(msgspec.Struct):
+    input_tokens: int
+
+
 class MessageResponse(msgspec.Struct):
     id: str
     model: str
@@ -153,23 +160,6 @@ class MessageResponse(msgspec.Struct):
 
 _decode_request = msgspec.json.Decoder(MessagesRequest).decode
 _encode = msgspec.json.Encoder().encode
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
-
-
-def error_response(status: int, message: str) -> web.Response:
-    body = {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
-    return web.Response(status=status, body=_encode(body), content_type="application/json")
 
 
 def new_id(prefix: str) -> str:
@@ -289,6 +279,8 @@ def prepare(system: AgentSystem, body: MessagesRequest) -> PreparedRequest:
     chat = system.chat_format
     tools = tool_schemas(body.tools)
     messages = to_chat_messages(body)
+    if not messages:
+        raise UnsupportedContentError("messages: none has content the model can read (only thinking blocks)")
     # A final assistant message is a prefill: the reply continues it (it is not echoed back).
     prefill = ""
     last = messages[-1]
@@ -326,7 +318,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         return error_response(529, str(error))
     except (UnsupportedContentError, ChatTemplateError) as error:
         return error_response(400, str(error))
-    return web.json_response({"input_tokens": len(prepared.prompt)})
+    return web.Response(body=_encode(TokenCount(len(prepared.prompt))), content_type="application/json")
 
 
 def _stop_reason(finished: Finished, called_tool: bool) -> str:
@@ -355,19 +347,25 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = await _decode(request)
     if isinstance(body, web.Response):
         return body
+    check_bounds(
+        request, max_tokens=body.max_tokens, num_messages=len(body.messages), num_tools=len(body.tools or ())
+    )
     try:
         model = await ready_model(system, body.model)
         agent_id = agent_id_from(request.headers)
         sampling = SamplingParams(
-            temperature=settings.default_temperature if body.temperature is None else body.temperature,
+            temperature=settings.model.temperature if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k or 0,
-            max_tokens=body.max_tokens or settings.default_max_tokens,
+            max_tokens=body.max_tokens or settings.model.default_max_tokens,
             stop=tuple(body.stop_sequences),
         )
         prepared = prepare(system, body)
-        stream = await system.generate(
-            agent_id, prepared.prompt, sampling, model_fingerprint=model.fingerprint
+        check_bounds(request, num_prompt_tokens=len(prepared.prompt))
+        admit(request, agent_id)
+        stream = watch(
+            request,
+            await system.generate(agent_id, prepared.prompt, sampling, model_fingerprint=model.fingerprint),
         )
     except UnknownModelError as error:
         return error_response(404, str(error))
@@ -416,6 +414,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
                     finished = event
     except ValueError as error:
         return error_response(400, str(error))
+    except ApiError:
+        raise
     except Exception as error:
         return error_response(500, f"generation failed: {error}")
     assert finished is not None, "stream ended without Finished: engine bug"

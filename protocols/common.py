@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -11,18 +10,16 @@ from actors.system import AgentSystem
 from engine.engine import RequestStream
 from engine.loading import LoadedModel
 from engine.messages import Finished, PromptProgress, PromptStarted, TokenDelta
+from protocols.guard import Gate
+from protocols.metrics import Metrics
 from protocols.reasoning import ReasoningSplitter, ThinkingEnd, ThinkingPart
 from protocols.tool_parser import ParsedPart, ToolCallParser
-
-
-@dataclass(frozen=True, slots=True)
-class ServerSettings:
-    default_max_tokens: int = 1024
-    default_temperature: float = 1.0
-
+from semantic.config import Settings
 
 SYSTEM_KEY = web.AppKey("system", AgentSystem)
-SETTINGS_KEY = web.AppKey("settings", ServerSettings)
+SETTINGS_KEY = web.AppKey("settings", Settings)
+GATE_KEY = web.AppKey("gate", Gate)
+METRICS_KEY = web.AppKey("metrics", Metrics)
 
 
 async def ready_model(system: AgentSystem, requested: str | None) -> LoadedModel:

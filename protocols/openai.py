@@ -22,12 +22,16 @@ from engine.sampling import SamplingParams
 from protocols.common import (
     SETTINGS_KEY,
     SYSTEM_KEY,
-    ServerSettings,
     parsed_events,
     ready_model,
     sse_response,
 )
+from protocols.errors import ApiError, OpenAIError, OpenAIErrorDetail
+from protocols.errors import openai_error as error_response
+from protocols.observe import admit, check_bounds, watch
+from protocols.reasoning import ReasoningSplitter, ThinkingPart, prompt_opens_thinking
 from protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallParser, ToolCallStart
+from semantic.config import Settings
 
 _FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
 
@@ -96,6 +100,8 @@ class ChatCompletionRequest(msgspec.Struct):
     stream_options: StreamOptions | None = None
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # vLLM's extension: the final assistant message is a prefill the reply continues.
+    continue_final_message: bool = False
 
 
 class PromptTokensDetails(msgspec.Struct):
@@ -109,10 +115,11 @@ class Usage(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails
 
 
-class AssistantMessage(msgspec.Struct):
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None  # a reasoning model's <think> block, as DeepSeek and vLLM send it
 
 
 class Choice(msgspec.Struct):
@@ -145,6 +152,7 @@ class ToolCallDelta(msgspec.Struct, omit_defaults=True):
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
@@ -163,26 +171,8 @@ class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
 
 
-class ErrorDetail(msgspec.Struct):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorBody(msgspec.Struct):
-    error: ErrorDetail
-
-
 _decode_request = msgspec.json.Decoder(ChatCompletionRequest).decode
 _encode = msgspec.json.Encoder().encode
-
-
-def error_response(
-    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
-) -> web.Response:
-    body = ErrorBody(ErrorDetail(message=message, type=kind, param=param, code=str(status)))
-    return web.Response(status=status, body=_encode(body), content_type="application/json")
 
 
 def _text_of(message: ChatMessage) -> str:
@@ -229,11 +219,11 @@ def _forced_prefix(body: ChatCompletionRequest, chat: ChatFormat) -> str:
     return chat.forced_call_prefix(names[0] if len(names) == 1 else None)
 
 
-def _sampling(body: ChatCompletionRequest, settings: ServerSettings) -> SamplingParams:
+def _sampling(body: ChatCompletionRequest, settings: Settings) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    max_tokens = body.max_completion_tokens or body.max_tokens or settings.default_max_tokens
+    max_tokens = body.max_completion_tokens or body.max_tokens or settings.model.default_max_tokens
     return SamplingParams(
-        temperature=settings.default_temperature if body.temperature is None else body.temperature,
+        temperature=settings.model.temperature if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
         max_tokens=max_tokens,
@@ -268,6 +258,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return error_response(400, f"n={body.n} is not supported; only n=1", param="n")
     if not body.messages:
         return error_response(400, "messages must not be empty", param="messages")
+    check_bounds(
+        request,
+        max_tokens=body.max_completion_tokens or body.max_tokens,
+        num_messages=len(body.messages),
+        num_tools=len(body.tools or ()),
+    )
     try:
         model = await ready_model(system, body.model)
     except UnknownModelError as error:
@@ -284,8 +280,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tools = [msgspec.to_builtins(tool) for tool in body.tools] if body.tools else None
     prefix = _forced_prefix(body, chat)
     try:
-        prompt = chat.prompt_tokens(to_chat_messages(body.messages), tools, prefill=prefix)
-        stream = await system.generate(agent_id, prompt, sampling, model_fingerprint=model.fingerprint)
+        messages = to_chat_messages(body.messages)
+        prefill = ""
+        if body.continue_final_message:
+            if messages[-1]["role"] != "assistant" or not isinstance(messages[-1].get("content"), str):
+                raise ApiError("continue_final_message needs a final assistant message with text content")
+            prefill = messages.pop()["content"]
+        text = chat.render(messages, tools) + prefill + prefix
+        prompt = chat.encode(text)
+        reasoning = None if prefix else ReasoningSplitter(inside=prompt_opens_thinking(text))
+        check_bounds(request, num_prompt_tokens=len(prompt))
+        admit(request, agent_id)
+        stream = watch(
+            request, await system.generate(agent_id, prompt, sampling, model_fingerprint=model.fingerprint)
+        )
     except (ChatTemplateError, PromptTooLongError) as error:
         return error_response(400, str(error), param="messages")
     except (ModelUnavailableError, ModelChangedError) as error:
@@ -299,11 +307,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     created = int(time.time())
     if not body.stream:
         texts: list[str] = []
+        thinking: list[str] = []
         calls: list[ToolCall] = []
         finished: Finished | None = None
         try:
-            async for event in parsed_events(stream, parser, prefix):
-                if isinstance(event, TextPart):
+            async for event in parsed_events(stream, parser, prefix, reasoning):
+                if isinstance(event, ThinkingPart):
+                    thinking.append(event.text)
+                elif isinstance(event, TextPart):
                     texts.append(event.text)
                 elif isinstance(event, ToolCallEnd):
                     calls.append(ToolCall(_call_id(), FunctionCall(event.name, json.dumps(event.arguments))))
@@ -311,11 +322,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                     finished = event
         except ValueError as error:
             return error_response(400, str(error))
+        except ApiError:
+            raise
         except Exception as error:
             return error_response(500, f"generation failed: {error}", kind="server_error")
         assert finished is not None, "stream ended without Finished: engine bug"
         text = "".join(texts)
-        message = AssistantMessage("assistant", text if text.strip() or not calls else None, calls or None)
+        message = AssistantMessage(
+            "assistant", text if text.strip() or not calls else None, calls or None, "".join(thinking) or None
+        )
         choice = Choice(0, message, _finish_reason(finished, bool(calls)))
         completion = ChatCompletion(completion_id, created, model_name, [choice], _usage(finished))
         return web.Response(body=_encode(completion), content_type="application/json")
@@ -330,10 +345,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     num_calls = 0
     try:
-        async for event in parsed_events(stream, parser, prefix):
+        async for event in parsed_events(stream, parser, prefix, reasoning):
             match event:
                 case PromptStarted():
                     await send(Delta(role="assistant", content=""))
+                case ThinkingPart(text=text) if text:
+                    await send(Delta(reasoning_content=text))
                 case TextPart(text=text) if text:
                     await send(Delta(content=text))
                 case ToolCallStart(index=index, name=name):
@@ -348,7 +365,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                         await send(None, usage=_usage(event))
         await response.write(b"data: [DONE]\n\n")
     except Exception as error:  # the stream has started: report in-band, then end it
-        detail = ErrorBody(ErrorDetail(message=str(error), type="server_error"))
+        detail = OpenAIError(OpenAIErrorDetail(message=str(error), type="server_error"))
         await response.write(b"data: " + _encode(detail) + b"\n\n")
     await response.write_eof()
     return response

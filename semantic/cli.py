@@ -1,4 +1,4 @@
-"""The `semantic` command: `serve` the HTTP API, `generate` one answer, `fetch-model`."""
+"""The `semantic` command: `serve` the HTTP API, `config`, `generate` one answer, `fetch-model`."""
 
 from __future__ import annotations
 
@@ -13,64 +13,142 @@ from semantic.launch import reexec_with_fast_blas
 if TYPE_CHECKING:
     from actors.system import SystemConfig
     from engine.default_model import ProgressFn
-    from protocols.common import ServerSettings
+    from semantic.config import LoadedSettings, Settings
 
 
-def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default="default",
-        help="'default' (SmolLM2-135M-Instruct), a local MLX model dir or a hub id",
-    )
-    parser.add_argument("--cache-dir", type=Path, default=None, help="where models and agent caches live")
-    parser.add_argument("--cache-budget-mb", type=int, default=4096, help="memory for KV caches, in MiB")
-    parser.add_argument("--block-size", type=int, default=256, help="tokens per KV block")
-    parser.add_argument("--max-batch-size", type=int, default=16, help="sequences decoding together")
-    parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"], help="default model conversion dtype"
-    )
-    parser.add_argument(
+# Flags for settings: (flag, setting key, help). Every setting also has SEMANTIC_<SECTION>_<KEY>.
+MODEL_FLAGS = [
+    ("--model", "model.name", "'default' (SmolLM2-135M-Instruct), a local MLX model dir or a hub id"),
+    ("--dtype", "model.dtype", "default model conversion dtype: float32 or bfloat16"),
+    ("--cache-dir", "cache.dir", "where models and agent caches live"),
+    ("--cache-budget-mb", "cache.budget_mb", "memory for KV caches, in MiB"),
+    ("--block-size", "cache.block_size", "tokens per KV block"),
+    (
         "--kv-bits",
-        type=int,
-        choices=[4, 8],
-        default=None,
-        help="quantize the KV cache (refused at start-up where mlx-lm cannot batch it)",
+        "cache.kv_bits",
+        "quantize the KV cache (refused at start-up where mlx-lm cannot batch it)",
+    ),
+    ("--max-batch-size", "engine.max_batch_size", "sequences decoding together"),
+    ("--tick-ms", "engine.tick_ms", "shortest engine tick under load, in ms"),
+]
+SERVER_FLAGS = [
+    ("--host", "server.host", "address to bind (non-loopback needs --allow-remote and an API key)"),
+    ("--port", "server.port", "port to listen on"),
+    ("--api-key", "server.api_key", "require this key (x-api-key or Authorization: Bearer)"),
+    ("--max-body-mb", "server.max_body_mb", "largest request body, in MiB"),
+    ("--request-timeout-s", "server.request_timeout_s", "a generation running longer fails"),
+    ("--shutdown-timeout-s", "server.shutdown_timeout_s", "on SIGTERM, how long running requests may finish"),
+    ("--idle-unload-s", "model.idle_unload_s", "unload the model after this many idle seconds"),
+    (
+        "--swap-drain-timeout-s",
+        "model.swap_drain_timeout_s",
+        "how long a model swap waits for running requests",
+    ),
+    ("--temperature", "model.temperature", "sampling temperature for requests that set none"),
+    ("--default-max-tokens", "model.default_max_tokens", "max_tokens for requests that set none"),
+    ("--max-queued", "limits.max_queued", "requests that may wait beyond the running batch (then 429/529)"),
+    ("--max-tokens-limit", "limits.max_tokens", "largest max_tokens a request may ask for"),
+    ("--max-messages", "limits.max_messages", "most messages in one request"),
+    ("--max-tools", "limits.max_tools", "most tools in one request"),
+    ("--max-prompt-tokens", "limits.max_prompt_tokens", "longest prompt, in tokens"),
+    ("--rate-per-s", "limits.rate_per_s", "requests per second for the whole server (token bucket)"),
+    ("--rate-burst", "limits.rate_burst", "burst for --rate-per-s"),
+    ("--agent-rate-per-s", "limits.agent_rate_per_s", "requests per second per agent (token bucket)"),
+    ("--agent-rate-burst", "limits.agent_rate_burst", "burst for --agent-rate-per-s"),
+    ("--log-format", "logging.format", "human or json (JSON lines)"),
+    ("--log-level", "logging.level", "loguru level, e.g. INFO or DEBUG"),
+]
+
+
+def _setting_flags(parser: argparse.ArgumentParser, flags: list[tuple[str, str, str]]) -> None:
+    for flag, key, help_text in flags:
+        parser.add_argument(
+            flag, dest=f"setting:{key}", default=argparse.SUPPRESS, metavar="VALUE", help=help_text
+        )
+
+
+def _settings_args(parser: argparse.ArgumentParser, server: bool) -> None:
+    parser.add_argument(
+        "--config", type=Path, default=None, help="a TOML file with [section] tables of settings"
+    )
+    _setting_flags(parser, MODEL_FLAGS)
+    if not server:
+        return
+    _setting_flags(parser, SERVER_FLAGS)
+    parser.add_argument(
+        "--allow-remote",
+        dest="setting:server.allow_remote",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="allow binding a non-loopback --host (an API key is then required)",
+    )
+    parser.add_argument(
+        "--alias",
+        dest="setting:model.aliases",
+        action="append",
+        default=argparse.SUPPRESS,
+        metavar="NAME=MODEL",
+        help="answer requests for model NAME (a glob, e.g. 'claude-haiku*') with MODEL, a configured "
+        "model's name, or with whichever model is loaded when MODEL is empty",
+    )
+    parser.add_argument(
+        "--add-model",
+        dest="setting:model.extra",
+        action="append",
+        default=argparse.SUPPRESS,
+        metavar="NAME=SOURCE",
+        help="another model requests may switch to by NAME (SOURCE: a local MLX dir or a hub id)",
     )
 
 
-def _system_config(args: argparse.Namespace) -> SystemConfig:
+def _pairs(flag: str, specs: list[str], need_value: bool) -> dict[str, str]:
+    pairs = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        if not name or not sep or (need_value and not value):
+            raise SystemExit(f"{flag} wants NAME=VALUE, got {spec!r}")
+        pairs[name] = value
+    return pairs
+
+
+def load(args: argparse.Namespace) -> LoadedSettings:
+    """The effective settings: flags over SEMANTIC_* over .env over --config over defaults."""
+    from semantic.config import ConfigError, load_settings
+
+    cli = {k.removeprefix("setting:"): v for k, v in vars(args).items() if k.startswith("setting:")}
+    if "model.extra" in cli:
+        cli["model.extra"] = _pairs("--add-model", cli["model.extra"], need_value=True)
+    if "model.aliases" in cli:
+        cli["model.aliases"] = _pairs("--alias", cli["model.aliases"], need_value=False)
+    try:
+        return load_settings(cli, config_file=args.config)
+    except ConfigError as error:
+        print(f"semantic: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _system_config(settings: Settings) -> SystemConfig:
     from actors.system import SystemConfig
     from engine.default_model import user_cache_dir
     from engine.engine import EngineConfig
     from engine.registry import ModelEntry
 
-    _refuse_kv_bits(getattr(args, "kv_bits", None))
+    _refuse_kv_bits(settings.cache.kv_bits)
     engine = EngineConfig(
-        model=args.model,
-        block_size=args.block_size,
-        cache_budget_mb=args.cache_budget_mb,
-        max_batch_size=args.max_batch_size,
-        default_dtype=args.dtype,
+        model=settings.model.name,
+        block_size=settings.cache.block_size,
+        cache_budget_mb=settings.cache.budget_mb,
+        max_batch_size=settings.engine.max_batch_size,
+        tick_s=settings.engine.tick_ms / 1000,
+        default_dtype=settings.model.dtype,
     )
-    extra_models = []
-    for spec in getattr(args, "add_model", []):
-        name, _, source = spec.partition("=")
-        if not name or not source:
-            raise SystemExit(f"--add-model wants NAME=SOURCE (a local MLX dir or a hub id), got {spec!r}")
-        extra_models.append(ModelEntry(name, source))
-    aliases = {}
-    for alias in getattr(args, "alias", []):
-        pattern, _, target = alias.partition("=")
-        if not pattern:
-            raise SystemExit(f"--alias wants NAME=MODEL (NAME may be a glob), got {alias!r}")
-        aliases[pattern] = target
     return SystemConfig(
         engine=engine,
-        cache_dir=args.cache_dir or user_cache_dir(),
-        extra_models=tuple(extra_models),
-        model_aliases=aliases,
-        idle_unload_s=getattr(args, "idle_unload_s", None),
-        swap_drain_timeout_s=getattr(args, "swap_drain_timeout_s", 30.0),
+        cache_dir=Path(settings.cache.dir) if settings.cache.dir else user_cache_dir(),
+        extra_models=tuple(ModelEntry(name, source) for name, source in settings.model.extra.items()),
+        model_aliases=settings.model.aliases,
+        idle_unload_s=settings.model.idle_unload_s,
+        swap_drain_timeout_s=settings.model.swap_drain_timeout_s,
     )
 
 
@@ -109,38 +187,50 @@ def _progress_bar() -> ProgressFn:
     return progress
 
 
-def _ensure_default_model(args: argparse.Namespace) -> None:
+def _ensure_default_model(settings: Settings) -> None:
     from engine.default_model import ensure_default_model
     from engine.loading import is_default_model
 
-    if is_default_model(args.model):
-        ensure_default_model(args.dtype, progress=_progress_bar())
+    if is_default_model(settings.model.name):
+        ensure_default_model(settings.model.dtype, progress=_progress_bar())
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _check_bind(settings: Settings) -> None:
+    server = settings.server
+    if server.host in LOOPBACK:
+        return
+    if not server.allow_remote:
+        raise SystemExit(
+            f"semantic: refusing to bind {server.host}: only loopback is served unless --allow-remote "
+            "(server.allow_remote) is set, with an API key"
+        )
+    if not server.api_key:
+        raise SystemExit(
+            f"semantic: refusing to bind {server.host} without an API key; "
+            "set --api-key or SEMANTIC_SERVER_API_KEY"
+        )
 
 
 def serve(args: argparse.Namespace) -> None:
-    from aiohttp import web
+    from semantic.logs import configure_logging
+    from semantic.server import run_server
 
-    from protocols.app import create_app
-
-    _ensure_default_model(args)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"refusing to bind {args.host}: only loopback is allowed in this version", file=sys.stderr)
-        raise SystemExit(2)
+    loaded = load(args)
+    settings = loaded.settings
+    _check_bind(settings)
+    configure_logging(settings.logging)
+    _ensure_default_model(settings)
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    app = create_app(_system_config(args), _server_settings(args))
-    web.run_app(
-        app,
-        host=args.host,
-        port=args.port,
-        handler_cancellation=True,
-        print=lambda s: print(s, file=sys.stderr),
-    )
-    _exit_now(0)
+    code = run_server(_system_config(settings), settings)
+    _exit_now(code)
 
 
 def _exit_now(code: int) -> None:
@@ -160,18 +250,16 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _server_settings(args: argparse.Namespace) -> ServerSettings:
-    from protocols.common import ServerSettings
-
-    return ServerSettings(default_max_tokens=args.default_max_tokens, default_temperature=args.temperature)
+def show_config(args: argparse.Namespace) -> None:
+    print(load(args).describe())
 
 
-async def _generate(args: argparse.Namespace) -> None:
+async def _generate(args: argparse.Namespace, settings: Settings) -> None:
     from actors.system import AgentSystem
     from engine.messages import TokenDelta
     from engine.sampling import SamplingParams
 
-    system = AgentSystem(_system_config(args))
+    system = AgentSystem(_system_config(settings))
     await system.start()
     try:
         tokenizer = system.engine.model.tokenizer
@@ -190,12 +278,13 @@ async def _generate(args: argparse.Namespace) -> None:
 
 
 def generate(args: argparse.Namespace) -> None:
-    _ensure_default_model(args)
+    settings = load(args).settings
+    _ensure_default_model(settings)
     from loguru import logger
 
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
-    asyncio.run(_generate(args))
+    asyncio.run(_generate(args, settings))
 
 
 def fetch_model(args: argparse.Namespace) -> None:
@@ -210,49 +299,17 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve_parser = commands.add_parser("serve", help="serve the HTTP API")
-    _engine_args(serve_parser)
-    serve_parser.add_argument("--host", default="127.0.0.1")
-    serve_parser.add_argument("--port", type=int, default=8000)
-    serve_parser.add_argument(
-        "--alias",
-        action="append",
-        default=[],
-        metavar="NAME=MODEL",
-        help="answer requests for model NAME (a glob, e.g. 'claude-haiku*') with MODEL, a configured "
-        "model's name, or with whichever model is loaded when MODEL is empty",
-    )
-    serve_parser.add_argument(
-        "--add-model",
-        action="append",
-        default=[],
-        metavar="NAME=SOURCE",
-        help="another model requests may switch to by NAME (SOURCE: a local MLX dir or a hub id)",
-    )
-    serve_parser.add_argument(
-        "--idle-unload-s",
-        type=float,
-        default=None,
-        help="unload the model after this many seconds without requests (reloaded on the next one)",
-    )
-    serve_parser.add_argument(
-        "--swap-drain-timeout-s",
-        type=float,
-        default=30.0,
-        help="how long running requests may finish before a model swap cancels them",
-    )
-    serve_parser.add_argument(
-        "--temperature",
-        type=float,
-        default=1.0,
-        help="sampling temperature for requests that do not set one (Claude Code never does)",
-    )
-    serve_parser.add_argument(
-        "--default-max-tokens", type=int, default=1024, help="max_tokens for requests that do not set it"
-    )
+    _settings_args(serve_parser, server=True)
     serve_parser.set_defaults(run=serve)
 
+    config_parser = commands.add_parser(
+        "config", help="print the effective configuration and where each value came from"
+    )
+    _settings_args(config_parser, server=True)
+    config_parser.set_defaults(run=show_config)
+
     generate_parser = commands.add_parser("generate", help="print one answer as it streams")
-    _engine_args(generate_parser)
+    _settings_args(generate_parser, server=False)
     generate_parser.add_argument("prompt")
     generate_parser.add_argument("--max-tokens", type=int, default=256)
     generate_parser.add_argument("--temperature", type=float, default=0.0)

@@ -42,6 +42,7 @@ class PersistenceActor:
         self.num_loads = 0
         self.num_quarantined = 0
         self.last_write_s = 0.0
+        self.write_seconds_total = 0.0
 
     async def start(self) -> None:
         self._on_disk = await self._run(self._scan, SUFFIX)
@@ -73,6 +74,7 @@ class PersistenceActor:
             self._on_disk.add(cache.agent_id)
             written.append(cache.agent_id)
             self.last_write_s = seconds
+            self.write_seconds_total += seconds
         return written
 
     async def load(self, agent_id: str) -> SerializedCache | None:

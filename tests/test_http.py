@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 from actors.system import SystemConfig
 from engine.engine import EngineConfig
 from protocols.app import create_app
-from protocols.common import SYSTEM_KEY
+from protocols.common import GATE_KEY, SYSTEM_KEY
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -114,6 +114,7 @@ async def test_client_disconnects_free_batch_slots_and_blocks(
             "messages": [{"role": "user", "content": "Tell me a very long story."}],
             "stream": True,
             "max_tokens": 500,
+            "temperature": 0,  # greedy: no reply ends (and keeps its cache) before the disconnect
         }
 
         async def disconnect_mid_stream(session: aiohttp.ClientSession) -> None:
@@ -128,12 +129,14 @@ async def test_client_disconnects_free_batch_slots_and_blocks(
                             return  # closes the connection mid-stream
 
         async with aiohttp.ClientSession() as session:
-            await asyncio.gather(*(disconnect_mid_stream(session) for _ in range(10)))
+            for _ in range(10):  # 100 disconnects, 10 at a time
+                await asyncio.gather(*(disconnect_mid_stream(session) for _ in range(10)))
         for _ in range(100):
             if await state() == before:
                 break
             await asyncio.sleep(0.05)
         assert await state() == before
+        assert app[GATE_KEY].num_in_flight == 0  # every admission slot was given back
 
 
 PARIS = '{"city": "Paris"}'
@@ -180,3 +183,22 @@ def test_tool_calls_through_the_openai_sdk(server) -> None:  # type: ignore[no-u
     assert not answer.choices[0].message.tool_calls
     with pytest.raises(openai.NotFoundError, match="is not served here"):
         client.chat.completions.create(model="llama-3", messages=ask)
+
+
+def test_reasoning_comes_back_as_reasoning_content(server) -> None:  # type: ignore[no-untyped-def]
+    # Continuing an assistant message that opens `<think>` puts the reply inside a reasoning block,
+    # as a reasoning model's template does; the default model never closes it.
+    client = client_for(server)
+    messages = [*QUESTION, {"role": "assistant", "content": "<think>"}]
+    options = {"model": "default", "temperature": 0, "max_tokens": 12}
+    extra = {"continue_final_message": True}
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, extra_body=extra, **options))  # type: ignore[call-overload]
+    reasoning = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+    )
+    assert reasoning.strip() and "<think>" not in reasoning
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reply = client.chat.completions.create(messages=messages, extra_body=extra, **options)  # type: ignore[call-overload]
+    assert reply.choices[0].message.reasoning_content == reasoning  # type: ignore[attr-defined]
+    with pytest.raises(openai.BadRequestError, match="continue_final_message needs a final assistant"):
+        client.chat.completions.create(messages=QUESTION, extra_body=extra, **options)  # type: ignore[call-overload]

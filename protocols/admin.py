@@ -1,0 +1,52 @@
+"""Model administration: switch the loaded model, or unload it until the next request."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+from aiohttp import web
+
+from actors.system import ModelLoadError, ModelUnavailableError, SwapReport
+from engine.registry import UnknownModelError
+from protocols.common import SYSTEM_KEY
+from protocols.errors import agent_error
+
+
+class LoadModel(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+
+
+async def load_model(request: web.Request) -> web.Response:
+    """Switch the loaded model now (drain, flush, unload, load); 200 with the swap's phases."""
+    system = request.app[SYSTEM_KEY]
+    try:
+        body = msgspec.json.decode(await request.read(), type=LoadModel)
+        entry = system.registry.resolve(body.model) or system.model_entry
+    except (msgspec.ValidationError, msgspec.DecodeError) as error:
+        return agent_error(400, f"invalid request body: {error}", "invalid_request_error")
+    except UnknownModelError as error:
+        return agent_error(404, str(error), "not_found_error")
+    if entry is None:
+        return agent_error(
+            400, f"{body.model!r} means the loaded model; none is loaded", "invalid_request_error"
+        )
+    try:
+        report = await system.swap_model(entry.name)
+    except ModelLoadError as error:
+        return agent_error(500, str(error), "model_load_error")
+    except ModelUnavailableError as error:
+        return agent_error(503, str(error), "overloaded_error")
+    return web.json_response({"model": entry.name, "loaded": True, "swap": _report(report)})
+
+
+async def unload_model(request: web.Request) -> web.Response:
+    """Flush every agent's cache and drop the model; the next request loads it again."""
+    system = request.app[SYSTEM_KEY]
+    report = await system.unload_model()
+    memory = {"active_memory_before_first_load": system.active_memory_before_load}
+    return web.json_response({"loaded": False, "swap": _report(report), **memory})
+
+
+def _report(report: SwapReport | None) -> dict[str, object] | None:
+    return None if report is None else dataclasses.asdict(report)

@@ -1,0 +1,163 @@
+"""Errors in the shape of the API that was called, whoever raises them (handlers or middleware)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import msgspec
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+_encode = msgspec.json.Encoder().encode
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+class AnthropicErrorDetail(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicError(msgspec.Struct):
+    error: AnthropicErrorDetail
+    type: str = "error"
+
+
+class OpenAIErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIError(msgspec.Struct):
+    error: OpenAIErrorDetail
+
+
+class AgentErrorDetail(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AgentError(msgspec.Struct):
+    error: AgentErrorDetail
+
+
+def _json(status: int, body: msgspec.Struct) -> web.Response:
+    return web.Response(status=status, body=_encode(body), content_type="application/json")
+
+
+def anthropic_error(status: int, message: str) -> web.Response:
+    return _json(
+        status, AnthropicError(AnthropicErrorDetail(ANTHROPIC_ERROR_TYPES.get(status, "api_error"), message))
+    )
+
+
+def openai_error(
+    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+) -> web.Response:
+    return _json(status, OpenAIError(OpenAIErrorDetail(message, kind, param, str(status))))
+
+
+def agent_error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return _json(status, AgentError(AgentErrorDetail(kind, message)))
+
+
+class ApiError(Exception):
+    """A refusal with an HTTP status; rendered in the protocol's own error shape."""
+
+    status = 400
+    kind = "invalid_request_error"
+
+    def __init__(
+        self, message: str, status: int | None = None, headers: Mapping[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status or self.status
+        self.headers = dict(headers or {})
+
+
+class Unauthorized(ApiError):
+    status = 401
+    kind = "authentication_error"
+
+
+class Overloaded(ApiError):
+    """Past the concurrency or queue limit: 429 (never a 5xx; clients retry after Retry-After)."""
+
+    status = 429
+    kind = "rate_limit_error"
+
+
+class RateLimited(ApiError):
+    status = 429
+    kind = "rate_limit_error"
+
+
+class ShuttingDown(ApiError):
+    status = 503
+    kind = "overloaded_error"
+
+
+class RequestTimedOut(ApiError):
+    status = 504
+    kind = "timeout_error"
+
+
+def protocol_of(path: str) -> str:
+    if path.startswith("/v1/messages"):
+        return "anthropic"
+    if path.startswith("/v1/chat") or path == "/v1/models":
+        return "openai"
+    if path.startswith("/v1/agents"):
+        return "agents"
+    return "other"
+
+
+def error_response(
+    path: str, status: int, message: str, kind: str, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    protocol = protocol_of(path)
+    if protocol == "anthropic":
+        response = anthropic_error(status, message)
+    elif protocol == "openai":
+        openai_kind = {"rate_limit_error": "rate_limit_exceeded"}
+        response = openai_error(status, message, kind=openai_kind.get(kind, kind))
+    else:
+        response = agent_error(status, message, kind)
+    response.headers.update(headers or {})
+    return response
+
+
+def api_error_response(path: str, error: ApiError) -> web.Response:
+    return error_response(path, error.status, str(error), error.kind, error.headers)
+
+
+@web.middleware
+async def errors_in_protocol_shape(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """ApiErrors and aiohttp's own errors (404, 405, 413) in the error shape of the API called."""
+    try:
+        return await handler(request)
+    except ApiError as error:
+        return api_error_response(request.path, error)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        message = (
+            f"{error.reason}: {error.text}" if error.text and error.text != error.reason else error.reason
+        )
+        if error.status == 413:
+            message = f"request body too large: {error.text}"
+        return error_response(
+            request.path, error.status, message, "http_error" if error.status != 413 else "request_too_large"
+        )

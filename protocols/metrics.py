@@ -1,0 +1,125 @@
+"""Prometheus metrics: request-side instruments, plus engine and cache figures read at scrape time.
+
+Labels are bounded: protocol, status code, cache tier. Agents are counted, never labelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.registry import Collector
+
+from actors.system import AgentSystem
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "semantic_requests", "HTTP requests by protocol and status", ["protocol", "status"], registry=r
+        )
+        self.request_duration = Histogram(
+            "semantic_request_duration_seconds",
+            "Request duration",
+            ["protocol"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "semantic_time_to_first_token_seconds",
+            "Time from request to first generated token",
+            ["protocol"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_rate = Histogram(
+            "semantic_decode_tokens_per_second",
+            "Per-request decode speed (tokens after the first / their time)",
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+            registry=r,
+        )
+        self.generated = Counter("semantic_generated_tokens", "Tokens generated", registry=r)
+        self.prompt_tokens = Counter(
+            "semantic_prompt_tokens", "Prompt tokens, reused from a cache or prefilled", ["kind"], registry=r
+        )
+        self.cache_lookups = Counter(
+            "semantic_cache_lookups", "Where each turn's cache came from", ["tier"], registry=r
+        )
+        self.loop_lag = Gauge(
+            "semantic_event_loop_lag_seconds", "How late the event loop woke a timer", registry=r
+        )
+
+    def attach(self, system: AgentSystem, num_in_flight: Callable[[], int]) -> None:
+        self.registry.register(_SystemCollector(system, num_in_flight))
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def watch_loop_lag(self, interval_s: float = 0.5) -> None:
+        while True:
+            start = time.monotonic()
+            await asyncio.sleep(interval_s)
+            self.loop_lag.set(max(0.0, time.monotonic() - start - interval_s))
+
+
+class _SystemCollector(Collector):
+    """Engine, pool, persistence and model figures, read when Prometheus scrapes."""
+
+    def __init__(self, system: AgentSystem, num_in_flight: Callable[[], int]) -> None:
+        self.system = system
+        self.num_in_flight = num_in_flight
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | SummaryMetricFamily]:
+        stats = self.system.engine.stats
+        yield GaugeMetricFamily(
+            "semantic_queue_depth", "Requests waiting to join the batch", stats.num_waiting
+        )
+        yield GaugeMetricFamily("semantic_batch_size", "Sequences decoding in the batch", stats.num_running)
+        yield GaugeMetricFamily(
+            "semantic_requests_in_flight", "Admitted generation requests", self.num_in_flight()
+        )
+        pool = GaugeMetricFamily("semantic_pool_bytes", "KV block pool bytes", labels=["kind"])
+        pool.add_metric(["used"], stats.pool_used_bytes)
+        pool.add_metric(["budget"], stats.pool_budget_bytes)
+        yield pool
+        yield GaugeMetricFamily(
+            "semantic_active_agents",
+            "Agents with an actor or a cache in memory",
+            self.system.num_active_agents,
+        )
+        yield CounterMetricFamily(
+            "semantic_evictions", "Agent caches evicted from memory", stats.num_evictions
+        )
+        persistence = self.system.persistence
+        loads = persistence.num_loads if persistence else 0
+        yield CounterMetricFamily("semantic_cache_loads", "Agent caches loaded from disk", loads)
+        if persistence is not None:
+            yield SummaryMetricFamily(
+                "semantic_persist_duration_seconds",
+                "Time to write one agent's cache file",
+                count_value=persistence.num_writes,
+                sum_value=persistence.write_seconds_total,
+            )
+        swaps = self.system.swap_history
+        yield SummaryMetricFamily(
+            "semantic_model_swap_duration_seconds",
+            "Model transitions (swap, unload, reload)",
+            count_value=len(swaps),
+            sum_value=sum(s.total_s for s in swaps),
+        )

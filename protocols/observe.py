@@ -1,0 +1,217 @@
+"""Every request gets an id, a record of what it did, one summary log line and its metrics.
+
+Handlers call `admit` before they start a generation (limits, rates, bounds) and `watch` on the
+stream they get back (tokens, time to first token, the request timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from loguru import logger
+
+from engine.engine import RequestStream
+from engine.messages import Event, Finished, PromptStarted, TokenDelta
+from protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY
+from protocols.errors import ApiError, RequestTimedOut, protocol_of
+
+REQUEST_ID_HEADER = "X-Request-Id"
+_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    protocol: str
+    started: float
+    agent_id: str | None = None
+    is_admitted: bool = False
+    num_prompt_tokens: int = 0
+    num_reused_tokens: int = 0
+    num_generated_tokens: int = 0
+    cache_tier: str | None = None
+    ttft_s: float | None = None
+    first_token_at: float | None = None
+    outcome: str = "ok"
+    timeout: asyncio.TimerHandle | None = None
+
+
+CURRENT = contextvars.ContextVar[RequestRecord | None]("semantic_request", default=None)
+RECORD_KEY = web.RequestKey("record", RequestRecord)
+
+
+def add_request_context(record: Any) -> None:
+    """loguru patcher: lines logged while handling a request carry its request and agent ids."""
+    current = CURRENT.get()
+    if current is not None:
+        record["extra"].setdefault("request_id", current.request_id)
+        if current.agent_id:
+            record["extra"].setdefault("agent_id", current.agent_id)
+
+
+def record_of(request: web.Request) -> RequestRecord:
+    record: RequestRecord = request[RECORD_KEY]
+    return record
+
+
+def check_bounds(
+    request: web.Request,
+    *,
+    max_tokens: int | None = None,
+    num_messages: int = 0,
+    num_tools: int = 0,
+    num_prompt_tokens: int = 0,
+) -> None:
+    """Refuse a request past the configured bounds, saying which bound and its limit."""
+    limits = request.app[SETTINGS_KEY].limits
+    checks = [
+        ("max_tokens", max_tokens or 0, limits.max_tokens, "limits.max_tokens"),
+        ("messages", num_messages, limits.max_messages, "limits.max_messages"),
+        ("tools", num_tools, limits.max_tools, "limits.max_tools"),
+        ("prompt tokens", num_prompt_tokens, limits.max_prompt_tokens, "limits.max_prompt_tokens"),
+    ]
+    for what, value, limit, setting in checks:
+        if value > limit:
+            raise ApiError(f"{what}: {value} is more than this server allows ({limit}, set by {setting})")
+
+
+def admit(request: web.Request, agent_id: str | None) -> None:
+    """Take a generation slot (released when the request ends), or raise Overloaded / RateLimited."""
+    record = record_of(request)
+    record.agent_id = agent_id
+    request.app[GATE_KEY].admit(agent_id)
+    record.is_admitted = True
+
+
+def watch(request: web.Request, stream: RequestStream) -> RequestStream:
+    """Record the stream's tokens and timings, and fail it past `server.request_timeout_s`."""
+    record = record_of(request)
+    metrics = request.app[METRICS_KEY]
+    timeout_s = request.app[SETTINGS_KEY].server.request_timeout_s
+
+    def observe(event: Event) -> None:
+        now = time.monotonic()
+        if isinstance(event, PromptStarted):
+            record.num_prompt_tokens = event.num_prompt_tokens
+            record.num_reused_tokens = event.num_cached_tokens
+            record.cache_tier = event.cache_tier
+            metrics.cache_lookups.labels(event.cache_tier).inc()
+            metrics.prompt_tokens.labels("reused").inc(event.num_cached_tokens)
+            metrics.prompt_tokens.labels("prefilled").inc(event.num_prompt_tokens - event.num_cached_tokens)
+        elif isinstance(event, TokenDelta) and record.first_token_at is None:
+            record.first_token_at = now
+            record.ttft_s = now - record.started
+            metrics.ttft.labels(record.protocol).observe(record.ttft_s)
+        elif isinstance(event, Finished):
+            record.num_generated_tokens = event.num_generated_tokens
+            metrics.generated.inc(event.num_generated_tokens)
+            if (
+                record.first_token_at is not None
+                and event.num_generated_tokens > 1
+                and now > record.first_token_at
+            ):
+                metrics.decode_rate.observe((event.num_generated_tokens - 1) / (now - record.first_token_at))
+            timer.cancel()
+        elif isinstance(event, BaseException):
+            record.outcome = getattr(event, "kind", type(event).__name__)
+            timer.cancel()
+
+    def time_out() -> None:
+        record.outcome = "timeout"
+        stream.fail(
+            RequestTimedOut(f"the request took longer than {timeout_s:g} s (server.request_timeout_s)")
+        )
+
+    timer = record.timeout = asyncio.get_running_loop().call_later(timeout_s, time_out)
+    stream.observers.append(observe)
+    return stream
+
+
+@web.middleware
+async def observed(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Request id, loguru context, the gate's checks, metrics and the one summary line."""
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    request_id = given if _VALID_REQUEST_ID.match(given) else f"req_{uuid.uuid4().hex}"
+    record = RequestRecord(request_id, protocol_of(request.path), time.monotonic())
+    request[RECORD_KEY] = record
+    token = CURRENT.set(record)
+    gate = request.app[GATE_KEY]
+    metrics = request.app[METRICS_KEY]
+    status = 500
+    try:
+        gate.check_open(request)
+        gate.check_key(request)
+        response = await handler(request)
+        status = response.status
+        return response
+    except ApiError as error:
+        status = error.status
+        record.outcome = error.kind
+        raise
+    except web.HTTPException as error:
+        status = error.status
+        raise
+    except asyncio.CancelledError:
+        record.outcome = "client disconnected"
+        status = 499
+        raise
+    finally:
+        if record.timeout is not None:
+            record.timeout.cancel()
+        if record.is_admitted:
+            gate.release()
+        duration = time.monotonic() - record.started
+        if not request.path.startswith(("/health/", "/metrics")):
+            metrics.requests.labels(record.protocol, str(status)).inc()
+            metrics.request_duration.labels(record.protocol).observe(duration)
+            _log_summary(request, record, status, duration)
+        CURRENT.reset(token)
+
+
+def _log_summary(request: web.Request, record: RequestRecord, status: int, duration: float) -> None:
+    if status >= 400 and record.outcome == "ok":
+        record.outcome = f"http_{status}"
+    ttft = f"{record.ttft_s:.3f}" if record.ttft_s is not None else "-"
+    logger.bind(
+        request_id=record.request_id,
+        agent_id=record.agent_id,
+        protocol=record.protocol,
+        method=request.method,
+        path=request.path,
+        status=status,
+        prompt_tokens=record.num_prompt_tokens,
+        reused_tokens=record.num_reused_tokens,
+        generated_tokens=record.num_generated_tokens,
+        cache_tier=record.cache_tier,
+        ttft_s=record.ttft_s,
+        duration_s=round(duration, 4),
+        outcome=record.outcome,
+    ).info(
+        "{} {} {} protocol={} agent={} prompt={} reused={} generated={} ttft={}s duration={:.3f}s outcome={}",
+        request.method,
+        request.path,
+        status,
+        record.protocol,
+        record.agent_id or "-",
+        record.num_prompt_tokens,
+        record.num_reused_tokens,
+        record.num_generated_tokens,
+        ttft,
+        duration,
+        record.outcome,
+    )
+
+
+async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    record = request.get(RECORD_KEY)
+    if record is not None:
+        response.headers[REQUEST_ID_HEADER] = record.request_id
+        response.headers["request-id"] = record.request_id

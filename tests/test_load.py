@@ -1,0 +1,82 @@
+"""Backpressure on a real server: 32 concurrent agents past the limits, and the request timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import aiohttp
+
+from tests.server_process import ServerProcess
+
+
+async def test_32_concurrent_agents_past_the_limits_get_429s_and_health_stays_fast(
+    server_factory, default_model_dir: Path
+) -> None:  # type: ignore[no-untyped-def]
+    server: ServerProcess = server_factory(
+        "--model", str(default_model_dir), "--max-batch-size", "4", "--max-queued", "4"
+    ).start()
+    anthropic_body = {
+        "model": "claude-local",
+        "max_tokens": 16,
+        "messages": [{"role": "user", "content": "Hi"}],
+    }
+    openai_body = {"model": "gpt-4o", "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]}
+    health_s: list[float] = []
+    done = asyncio.Event()
+
+    async def agent(session: aiohttp.ClientSession, index: int) -> tuple[int, str | None, dict]:  # type: ignore[type-arg]
+        path, body = ("/v1/messages", anthropic_body) if index % 2 else ("/v1/chat/completions", openai_body)
+        headers = {"x-agent-id": f"crowd-{index}"}
+        async with session.post(server.base_url + path, json=body, headers=headers) as reply:
+            return reply.status, reply.headers.get("Retry-After"), await reply.json()
+
+    async def watch_health(session: aiohttp.ClientSession) -> None:
+        while not done.is_set():
+            started = time.perf_counter()
+            async with session.get(server.base_url + "/health/live") as reply:
+                assert reply.status == 200
+            health_s.append(time.perf_counter() - started)
+            await asyncio.sleep(0.02)
+
+    async with aiohttp.ClientSession() as session:
+        watcher = asyncio.create_task(watch_health(session))
+        results = await asyncio.gather(*(agent(session, i) for i in range(32)))
+        done.set()
+        await watcher
+    statuses = [status for status, _, _ in results]
+    assert all(status in (200, 429) for status in statuses), statuses
+    refused = [(retry, body) for status, retry, body in results if status == 429]
+    assert 8 <= statuses.count(200) < 32 and refused
+    assert all(retry == "1" for retry, _ in refused)
+    messages = [body["error"]["message"] for _, body in refused]
+    assert all("limit of 8 requests in flight" in m for m in messages)
+    kinds = {body.get("type") == "error" and body["error"]["type"] for _, body in refused}
+    assert kinds <= {"rate_limit_error", False}  # Anthropic's shape where Anthropic was called
+    assert len(health_s) >= 5 and max(health_s) < 0.05, max(health_s)
+
+
+def test_a_request_past_the_timeout_fails_with_504_and_frees_its_slot(
+    server_factory, default_model_dir: Path
+) -> None:  # type: ignore[no-untyped-def]
+    import anthropic
+
+    server = server_factory("--model", str(default_model_dir), "--request-timeout-s", "2").start()
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    started = time.monotonic()
+    try:
+        client.messages.create(
+            model="claude-local",
+            max_tokens=4000,
+            messages=[{"role": "user", "content": "Write a very long story."}],
+        )
+        raise AssertionError("the request should have timed out")
+    except anthropic.APIStatusError as error:
+        assert error.status_code == 504 and "longer than 2 s (server.request_timeout_s)" in str(error)
+    assert time.monotonic() - started < 30
+    # The slot is free again: a short request goes through.
+    reply = client.messages.create(
+        model="claude-local", max_tokens=2, messages=[{"role": "user", "content": "Hi"}]
+    )
+    assert reply.usage.output_tokens == 2
