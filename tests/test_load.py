@@ -54,7 +54,7 @@ async def test_32_concurrent_agents_past_the_limits_get_429s_and_health_stays_fa
     assert all("limit of 8 requests in flight" in m for m in messages)
     kinds = {body.get("type") == "error" and body["error"]["type"] for _, body in refused}
     assert kinds <= {"rate_limit_error", False}  # Anthropic's shape where Anthropic was called
-    assert len(health_s) >= 5 and max(health_s) < 0.05, max(health_s)
+    assert len(health_s) >= 5 and max(health_s) < 0.05, sorted(health_s)[-5:]
 
 
 def test_a_request_past_the_timeout_fails_with_504_and_frees_its_slot(
