@@ -22,14 +22,17 @@ from tests.server_process import ServerProcess
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 
 
-def post(server: ServerProcess, body: dict[str, Any], session: str) -> tuple[int, dict[str, str], bytes]:
-    request = urllib.request.Request(
+def chat_request(server: ServerProcess, body: dict[str, Any], session: str) -> urllib.request.Request:
+    return urllib.request.Request(
         f"{server.base_url}/v1/chat/completions",
         data=json.dumps(body).encode(),
         headers={"content-type": "application/json", "x-session-id": session},
     )
+
+
+def post(server: ServerProcess, body: dict[str, Any], session: str) -> tuple[int, dict[str, str], bytes]:
     try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
+        with urllib.request.urlopen(chat_request(server, body, session), timeout=120) as reply:
             return reply.status, dict(reply.headers), reply.read()
     except urllib.error.HTTPError as error:
         return error.code, dict(error.headers), error.read()
@@ -44,13 +47,8 @@ def stream_in_thread(
     def run() -> None:
         body = {"messages": STORY, "stream": True, "max_tokens": max_tokens, "temperature": 0}
         body["stream_options"] = {"include_usage": True}
-        request = urllib.request.Request(
-            f"{server.base_url}/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"content-type": "application/json", "x-session-id": session},
-        )
         try:
-            with urllib.request.urlopen(request, timeout=120) as reply:
+            with urllib.request.urlopen(chat_request(server, body, session), timeout=120) as reply:
                 for line in reply:
                     if line.startswith(b"data: {"):
                         chunk = json.loads(line[6:])
