@@ -124,11 +124,21 @@ class AgentCacheStore:
         caches = self._build_caches(agent, num_reused)
         return PreparedPrompt(agent_id, caches, num_reused, "memory" if num_reused else "none", divergence)
 
-    def _prepare_shared_prefix(self, agent_id: str, prompt: list[int]) -> PreparedPrompt:
-        """A new agent still reuses full blocks another agent published (full-attention models)."""
-        empty = PreparedPrompt(agent_id, self._new_caches(), 0, "none", None)
+    def num_reusable(self, agent_id: str | None, prompt: list[int]) -> int:
+        """How many leading prompt tokens `prepare` would take from memory (for scheduling)."""
+        agent = self.agents.get(agent_id) if agent_id is not None else None
+        if agent is None:
+            return len(self._shared_block_ids(prompt)) * self.spec.block_size
+        if prompt[: agent.num_tokens] == agent.token_ids:
+            shared = agent.num_tokens
+        else:
+            shared = common_prefix_length(agent.token_ids, prompt)
+        return min(shared, len(prompt) - 1)
+
+    def _shared_block_ids(self, prompt: list[int]) -> list[int]:
+        """The pool's full blocks that hold `prompt`'s leading tokens (none for sliding-window models)."""
         if self.spec.has_sliding_layers:
-            return empty
+            return []
         size = self.spec.block_size
         block_ids: list[int] = []
         parent = None
@@ -139,9 +149,14 @@ class AgentCacheStore:
             if block_id is None:
                 break
             block_ids.append(block_id)
+        return block_ids
+
+    def _prepare_shared_prefix(self, agent_id: str, prompt: list[int]) -> PreparedPrompt:
+        """A new agent still reuses full blocks another agent published (full-attention models)."""
+        block_ids = self._shared_block_ids(prompt)
         if not block_ids:
-            return empty
-        num_reused = len(block_ids) * size
+            return PreparedPrompt(agent_id, self._new_caches(), 0, "none", None)
+        num_reused = len(block_ids) * self.spec.block_size
         probe = AgentCache(agent_id, prompt[:num_reused], block_ids, [])
         return PreparedPrompt(agent_id, self._build_caches(probe, num_reused), num_reused, "memory", None)
 
@@ -200,10 +215,6 @@ class AgentCacheStore:
         parent = None
         for start in range(0, len(token_ids), size):
             tokens = token_ids[start : start + size]
-            payload = tuple(
-                (k[..., start : start + len(tokens), :], v[..., start : start + len(tokens), :])
-                for k, v in full_kv
-            )
             if len(tokens) == size:
                 parent = hash_block_tokens(parent, tokens)
                 existing = self.pool.get_cached_block(parent, tokens)
@@ -212,7 +223,7 @@ class AgentCacheStore:
                     block_ids.append(existing)
                     continue
             block_id = spare.pop() if spare else self._allocate_one()
-            payload = tuple((mx.contiguous(k), mx.contiguous(v)) for k, v in payload)
+            payload = _block_payload(full_kv, start, len(tokens))
             if len(tokens) == size:
                 assert parent is not None
                 self.pool.cache_full_block(block_id, parent, tokens, payload)
@@ -229,6 +240,30 @@ class AgentCacheStore:
         if previous is not None:
             self.pool.free(previous.block_ids)
         return spare
+
+    def publish_prefix(self, token_ids: list[int], layer_caches: list[Any], spare: list[int]) -> list[int]:
+        """Publish the full blocks of `token_ids` that the pool lacks, in blocks taken from `spare`
+        (a running request's reservation), so other prompts share them before this one finishes.
+        Returns the blocks it filled; each keeps the reference it had in `spare` until freed."""
+        if self.spec.has_sliding_layers:
+            return []
+        size = self.spec.block_size
+        num_full = len(token_ids) // size * size
+        full_kv = [_kv_of(layer_caches[layer], num_full) for layer in self.spec.full_layer_ids]
+        published: list[int] = []
+        parent = None
+        for start in range(0, num_full, size):
+            tokens = token_ids[start : start + size]
+            parent = hash_block_tokens(parent, tokens)
+            if self.pool.get_cached_block(parent, tokens) is not None:
+                continue
+            if not spare:
+                break
+            block_id = spare.pop()
+            self.pool.cache_full_block(block_id, parent, tokens, _block_payload(full_kv, start, size))
+            published.append(block_id)
+        mx.eval([self.pool.payload(b) for b in published])
+        return published
 
     def _allocate_one(self) -> int:
         if not self.pool.can_allocate(1):
@@ -291,6 +326,14 @@ def _kv_of(cache: Any, num_tokens: int) -> tuple[mx.array, mx.array]:
     keys, values = cache.state[0], cache.state[1]
     assert keys.shape[2] >= num_tokens, "cache holds fewer tokens than its token list: engine bug"
     return keys[..., :num_tokens, :], values[..., :num_tokens, :]
+
+
+def _block_payload(full_kv: list[tuple[mx.array, mx.array]], start: int, length: int) -> tuple[Any, ...]:
+    """One block's keys and values for every full-attention layer, copied out of the sequence."""
+    end = start + length
+    return tuple(
+        (mx.contiguous(k[..., start:end, :]), mx.contiguous(v[..., start:end, :])) for k, v in full_kv
+    )
 
 
 def _rotating_can_trim(state: tuple[Any, ...], num_tokens: int) -> bool:

@@ -71,8 +71,10 @@ class EngineConfig:
     block_size: int = 256
     cache_budget_mb: int = 4096
     max_batch_size: int = 16
-    prefill_batch_size: int = 8
-    prefill_step_size: int | None = None
+    prefill_batch_size: int | None = None  # None: 1 on the CPU, 8 on a GPU
+    prefill_step_size: int | None = None  # None: 512 on the CPU, 2048 on a GPU
+    # Waiting prompts are admitted shortest uncached part first; one waiting this long goes first.
+    shortest_first_max_wait_s: float = 60.0
     tick_s: float = 0.010
     default_dtype: str = "float32"
 
@@ -109,6 +111,7 @@ class _Running:
     num_cached_tokens: int
     generated_token_ids: list[int] = field(default_factory=list)
     outbox: list[Event] = field(default_factory=list)
+    published_block_ids: list[int] = field(default_factory=list)  # its prompt's blocks, shared early
 
 
 class RequestStream:
@@ -312,10 +315,17 @@ class Engine:
             loaded.model,
             stop_tokens=[[t] for t in loaded.eos_token_ids],
             completion_batch_size=self.config.max_batch_size,
-            prefill_batch_size=min(self.config.prefill_batch_size, self.config.max_batch_size),
+            prefill_batch_size=self._prefill_batch_size,
             prefill_step_size=step,
             stream=self._stream,
         )
+
+    @property
+    def _prefill_batch_size(self) -> int:
+        """Prompts prefilled together. On the CPU one at a time: prefill is compute-bound there, so a
+        batch only makes every prompt in it wait for the slowest (and pads the shorter ones)."""
+        size = self.config.prefill_batch_size or (1 if mx.default_device() == mx.cpu else 8)
+        return max(1, min(size, self.config.max_batch_size))
 
     def _unload(self) -> None:
         if self._running or self._waiting:
@@ -424,18 +434,23 @@ class Engine:
                 return
 
     def _admit(self) -> None:
+        """Start the next prompt batch once the last one is prefilled, shortest uncached part first."""
         assert self._pool is not None and self._generator is not None
+        if not self._waiting or self._is_prefilling():
+            return
         spec = self.model.spec
-        while self._waiting and len(self._running) < self.config.max_batch_size and not self._is_prefilling():
-            submit = self._waiting[0]
+        slots = min(self.config.max_batch_size - len(self._running), self._prefill_batch_size)
+        for submit in self._admission_order():
+            if slots <= 0:
+                return
             request = submit.request
             if request.model_fingerprint not in (None, self.model.fingerprint):
-                self._waiting.popleft()
+                self._waiting.remove(submit)
                 self._post(submit.events, ModelChangedError("the model changed while the request waited"))
                 continue
             needed = spec.num_blocks_for(len(request.prompt_tokens) + request.sampling.max_tokens)
             if needed > self._pool.num_blocks:
-                self._waiting.popleft()
+                self._waiting.remove(submit)
                 self._post(
                     submit.events,
                     ValueError(
@@ -449,21 +464,43 @@ class Engine:
                 self._evict(needed)
                 if not self._pool.can_allocate(needed):
                     return
-            self._waiting.popleft()
+            self._waiting.remove(submit)
+            slots -= 1
             try:
                 self._insert(submit, self._pool.allocate(needed))
             except Exception as error:
                 logger.exception("request {} failed at admission", request.request_id)
                 self._post(submit.events, error)
 
+    def _admission_order(self) -> list[Submit]:
+        """Waiting requests by the tokens they still have to prefill, fewest first, so a returning
+        agent's short turn is not queued behind cold prompts; past `shortest_first_max_wait_s` a
+        request goes ahead in arrival order, so none waits forever."""
+        now = time.monotonic()
+        limit = self.config.shortest_first_max_wait_s
+        overdue = [s for s in self._waiting if now - s.queued_at >= limit]
+        rest = [s for s in self._waiting if now - s.queued_at < limit]
+        store = self.store
+
+        def uncached(submit: Submit) -> int:
+            prompt = submit.request.prompt_tokens
+            return len(prompt) - store.num_reusable(submit.request.agent_id, prompt)
+
+        return overdue + sorted(rest, key=uncached)
+
     def _is_prefilling(self) -> bool:
-        """Whether a prompt batch is part-way through its prefill (chunks of `prefill_step_size`).
+        """Whether the generator still has a prompt batch to prefill (in chunks of `prefill_step_size`).
 
         A prompt inserted now would join that batch left-padded to the tokens it has already
         processed, which costs more than waiting for its last chunk; measured here, four
         1,200-token prompts arriving 0.15 s apart took 43 s that way against 32 s arriving together.
+        Holding prompts here until then also lets `_admission_order` pick among all that arrived.
         """
-        return bool(getattr(self._generator, "_currently_processing", None))
+        generator = self._generator
+        return bool(
+            getattr(generator, "_currently_processing", None)
+            or getattr(generator, "_unprocessed_sequences", None)
+        )
 
     def _evict(self, num_blocks: int) -> None:
         evicted = self.store.evict_until(num_blocks)
@@ -530,7 +567,11 @@ class Engine:
         self.stats.num_steps += 1
         for progress in prompt_responses:
             prefilling = self._running.get(progress.uid)
-            if prefilling is not None and not progress.end_of_prompt:
+            if prefilling is None:
+                continue
+            if progress.end_of_prompt:
+                self._publish_prompt(progress.uid, prefilling)
+            else:
                 done, total = progress.progress
                 prefilling.outbox.append(PromptProgress(done, total))
         for response in generation_responses:
@@ -554,6 +595,25 @@ class Engine:
                 self._finish(
                     response.uid, FinishReason.STOP, from_generator=True, cache=removed.get(response.uid)
                 )
+
+    def _publish_prompt(self, uid: int, running: _Running) -> None:
+        """Share a prompt's full blocks once it is prefilled, not when its reply ends: agents that
+        arrive together with one system prompt then prefill it once, not once each."""
+        assert self._generator is not None
+        size = self.model.spec.block_size
+        prompt = running.request.prompt_tokens
+        num_blocks = (len(prompt) - 1) // size  # blocks whose tokens are all in the cache by now
+        if num_blocks <= running.num_cached_tokens // size or self.model.spec.has_sliding_layers:
+            return
+        extracted = self._generator.extract_cache([uid]).get(uid)
+        if extracted is None:
+            return
+        try:
+            running.published_block_ids = self.store.publish_prefix(
+                prompt[: num_blocks * size], extracted[0], running.reserved_block_ids
+            )
+        except Exception:
+            logger.exception("could not share the prompt blocks of request {}", running.request.request_id)
 
     def _finish(
         self, uid: int, reason: FinishReason, from_generator: bool, cache: tuple[Any, Any] | None = None
@@ -587,7 +647,8 @@ class Engine:
     def _release(self, running: _Running) -> None:
         assert self._pool is not None
         self._pool.free(running.reserved_block_ids)
-        running.reserved_block_ids = []
+        self._pool.free(running.published_block_ids)
+        running.reserved_block_ids = running.published_block_ids = []
         self.store.unpin(running.agent_id)
 
     def _post(self, events: EventChannel, event: Event) -> None:

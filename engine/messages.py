@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -80,6 +81,7 @@ class EventChannel:
 class Submit:
     request: GenerationRequest
     events: EventChannel
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(slots=True)

@@ -30,6 +30,21 @@ MODEL_FLAGS = [
     ),
     ("--max-batch-size", "engine.max_batch_size", "sequences decoding together"),
     ("--tick-ms", "engine.tick_ms", "shortest engine tick under load, in ms"),
+    (
+        "--prefill-batch-size",
+        "engine.prefill_batch_size",
+        "prompts prefilled together (0: 1 on CPU, 8 on GPU)",
+    ),
+    (
+        "--prefill-step-size",
+        "engine.prefill_step_size",
+        "prefill chunk in tokens (0: 512 on CPU, 2048 on GPU)",
+    ),
+    (
+        "--shortest-first-max-wait-s",
+        "engine.shortest_first_max_wait_s",
+        "queued prompts go fewest uncached tokens first; past this wait, in arrival order",
+    ),
 ]
 SERVER_FLAGS = [
     ("--host", "server.host", "address to bind (non-loopback needs --allow-remote and an API key)"),
@@ -141,6 +156,9 @@ def _system_config(settings: Settings) -> SystemConfig:
         max_batch_size=settings.engine.max_batch_size,
         tick_s=settings.engine.tick_ms / 1000,
         default_dtype=settings.model.dtype,
+        prefill_batch_size=settings.engine.prefill_batch_size or None,
+        prefill_step_size=settings.engine.prefill_step_size or None,
+        shortest_first_max_wait_s=settings.engine.shortest_first_max_wait_s,
     )
     return SystemConfig(
         engine=engine,

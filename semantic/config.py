@@ -21,7 +21,7 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 ENV_PREFIX = "SEMANTIC_"
 SECRET_KEYS = {"server.api_key"}
 # SEMANTIC_* variables that are not settings: the launcher's (semantic/launch.py) and the tests'.
-NOT_SETTINGS = {"SEMANTIC_FAST_BLAS", "SEMANTIC_NO_FAST_BLAS", "SEMANTIC_TEST"}
+NOT_SETTINGS = {"SEMANTIC_FAST_BLAS", "SEMANTIC_NO_FAST_BLAS", "SEMANTIC_NO_FAST_ATTENTION", "SEMANTIC_TEST"}
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -59,6 +59,9 @@ class CacheSection(_Section):
 class EngineSection(_Section):
     max_batch_size: Annotated[int, Meta(ge=1, le=1024)] = 16
     tick_ms: Annotated[float, Meta(ge=1, le=1000)] = 10.0
+    prefill_batch_size: Annotated[int, Meta(ge=0, le=256)] = 0  # 0: 1 on the CPU, 8 on a GPU
+    prefill_step_size: Annotated[int, Meta(ge=0, le=65536)] = 0  # 0: 512 on the CPU, 2048 on a GPU
+    shortest_first_max_wait_s: Annotated[float, Meta(ge=0, le=86400)] = 60.0
 
 
 class LimitsSection(_Section):

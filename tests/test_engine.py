@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -176,3 +177,88 @@ async def test_a_request_tokenized_for_another_model_is_refused(engine: Engine) 
     )
     with pytest.raises(ModelChangedError):
         engine.submit(request)
+
+
+async def started_order(streams: dict[str, RequestStream]) -> tuple[list[str], dict[str, PromptStarted]]:
+    """Names in the order their prompts were admitted, and each one's PromptStarted."""
+    order: list[str] = []
+    started: dict[str, PromptStarted] = {}
+
+    async def read(name: str, stream: RequestStream) -> None:
+        async for event in stream:
+            if isinstance(event, PromptStarted):
+                order.append(name)
+                started[name] = event
+
+    await asyncio.gather(*(read(name, stream) for name, stream in streams.items()))
+    return order, started
+
+
+async def test_waiting_prompts_start_with_the_fewest_tokens_to_prefill(engine: Engine) -> None:
+    first = chat(engine, "Name a planet.")
+    request = GenerationRequest("p1", first, SamplingParams(max_tokens=6), agent_id="returning")
+    _, tokens, _ = await collect(engine.submit(request))
+    follow_up = [*first, *tokens, *engine.model.tokenizer.encode("\n<|im_start|>user\nAnother?<|im_end|>\n")]
+    prompts = {
+        "blocker": chat(engine, "Summarise: " + "zeta eta " * 300),
+        "long cold": chat(engine, "Summarise: " + "alpha beta " * 300),
+        "short cold": chat(engine, "Summarise: " + "gamma " * 60),
+    }
+    # The others queue while the blocker prefills; they were submitted longest first.
+    streams = {name: submit(engine, prompt, max_tokens=2) for name, prompt in prompts.items()}
+    streams["returning"] = engine.submit(
+        GenerationRequest("p2", follow_up, SamplingParams(max_tokens=2), agent_id="returning")
+    )
+    order, started = await started_order(streams)
+    assert [name for name in order if name != "blocker"] == ["returning", "short cold", "long cold"]
+    assert started["returning"].num_cached_tokens == len(first) + len(tokens)
+
+
+async def test_a_request_waiting_past_the_limit_goes_in_arrival_order(engine: Engine) -> None:
+    prompts = {
+        "blocker": chat(engine, "Summarise: " + "theta iota " * 300),
+        "long": chat(engine, "Summarise: " + "delta " * 300),
+        "short": chat(engine, "Hi"),
+    }
+    config = engine.config
+    engine.config = replace(config, shortest_first_max_wait_s=0.0)
+    try:
+        order, _ = await started_order({name: submit(engine, p, max_tokens=2) for name, p in prompts.items()})
+    finally:
+        engine.config = config
+    assert [name for name in order if name != "blocker"] == ["long", "short"]
+
+
+async def test_agents_arriving_together_with_one_system_prompt_prefill_it_once(engine: Engine) -> None:
+    block_size = engine.model.spec.block_size
+    system = "You are agent support. Follow the handbook. " * 70  # ~700 tokens: two full blocks
+
+    def prompt(agent: int) -> list[int]:
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"I am agent {agent}."},
+        ]
+        return list(engine.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    streams = {
+        f"agent-{i}": engine.submit(
+            GenerationRequest(f"s{i}", prompt(i), SamplingParams(max_tokens=3), agent_id=f"together-{i}")
+        )
+        for i in range(3)
+    }
+    order, started = await started_order(streams)
+    assert started[order[0]].num_cached_tokens == 0
+    for name in order[1:]:
+        # The first prompt's blocks were shared when its prefill ended, before its reply did.
+        assert started[name].num_cached_tokens >= 2 * block_size
+    free, running, batch = await pool_state(engine)
+    assert (running, batch) == (0, 0)
+    refs = await engine.call(lambda e: sorted(b.ref_count for b in e._pool.blocks if b.ref_count))
+    agents = await engine.call(lambda e: [a.block_ids for a in e.store.agents.values()])
+    # Every referenced block is referenced by exactly the agents that hold it: nothing leaked.
+    held: dict[int, int] = {}
+    for block_ids in agents:
+        for block_id in block_ids:
+            held[block_id] = held.get(block_id, 0) + 1
+    assert refs == sorted(held.values())
+    assert free == engine._pool.num_blocks - len(held)

@@ -1,0 +1,80 @@
+"""The CPU attention path: same results as MLX's own attention for every mask mlx-lm passes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import cpu_attention
+
+
+def test_exp2_matches_numpy_over_the_range_it_is_used_on() -> None:
+    t = np.linspace(-126.0, 0.0, 200_001, dtype=np.float32)
+    ours = np.array(cpu_attention._exp2(mx.array(t)))
+    relative = np.abs(ours - np.exp2(t.astype(np.float64))) / np.exp2(t.astype(np.float64))
+    assert relative.max() < 5e-7
+
+
+@st.composite
+def attention_inputs(draw: st.DrawFn) -> tuple[mx.array, mx.array, mx.array, object]:
+    batch = draw(st.integers(1, 2))
+    kv_heads = draw(st.sampled_from([1, 2, 3]))
+    repeats = draw(st.sampled_from([1, 3]))
+    length = draw(st.integers(2, 48))
+    cached = draw(st.integers(0, 80))
+    dims = draw(st.sampled_from([8, 64]))
+    total = cached + length
+    seed = draw(st.integers(0, 2**16))
+    key = mx.random.key(seed)
+    k1, k2, k3, k4 = mx.random.split(key, 4)
+    queries = mx.random.normal((batch, kv_heads * repeats, length, dims), key=k1)
+    keys = mx.random.normal((batch, kv_heads, total, dims), key=k2) * 3
+    values = mx.random.normal((batch, kv_heads, total, dims), key=k3)
+    kind = draw(st.sampled_from(["none", "causal", "bool", "additive"]))
+    mask: object = None
+    if kind == "causal":
+        mask = "causal"
+    elif kind in ("bool", "additive"):
+        # What BatchKVCache passes: causal and left padding per sequence, shape [B, 1, L, S].
+        padding = mx.array([draw(st.integers(0, cached)) for _ in range(batch)])
+        causal = mx.arange(cached, total)[:, None] >= mx.arange(total)[None]
+        keep = causal[None, None] & (mx.arange(total)[None, None, None] >= padding[:, None, None, None])
+        mask = (
+            keep if kind == "bool" else mx.where(keep, 0.0, -1e9) + 0.1 * mx.random.normal(keep.shape, key=k4)
+        )
+    return queries, keys, values, mask
+
+
+@settings(max_examples=60, deadline=None)
+@given(attention_inputs())
+def test_attention_equals_mlx_scaled_dot_product_attention(
+    inputs: tuple[mx.array, mx.array, mx.array, object],
+) -> None:
+    queries, keys, values, mask = inputs
+    scale = queries.shape[-1] ** -0.5
+    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)  # type: ignore[arg-type]
+    ours = cpu_attention.attention(queries, keys, values, scale, mask)  # type: ignore[arg-type]
+    np.testing.assert_allclose(np.array(ours), np.array(expected), rtol=1e-4, atol=2e-5)
+
+
+def test_a_large_softmax_is_split_across_streams_and_stays_exact() -> None:
+    scores = mx.random.normal((1, 3, 3, 300, 700), key=mx.random.key(1)) * 4
+    keep = mx.arange(400, 700)[:, None] >= mx.arange(700)[None]
+    split = cpu_attention._split_softmax(scores, keep)
+    reference = mx.softmax(mx.where(keep, scores, mx.finfo(mx.float32).min), axis=-1)
+    assert len(cpu_attention._streams()) >= 1
+    np.testing.assert_allclose(np.array(split), np.array(reference), rtol=1e-5, atol=1e-7)
+
+
+def test_loading_a_model_on_the_cpu_routes_its_attention_here(default_model_dir: Path) -> None:
+    from mlx_lm.models import base, llama
+
+    from engine.loading import load_model
+
+    load_model(str(default_model_dir))
+    assert mx.default_device() == mx.cpu
+    assert llama.scaled_dot_product_attention is not base.scaled_dot_product_attention
