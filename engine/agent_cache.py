@@ -20,7 +20,7 @@ import mlx.core as mx
 from loguru import logger
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from engine.block_pool import BlockPool, hash_block_tokens
+from engine.block_pool import BlockPool, hash_block_tokens, hash_prefix_blocks
 from engine.cache_spec import ModelCacheSpec
 
 # None for an agent with no tokens yet.
@@ -62,6 +62,8 @@ class PreparedPrompt:
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, a prompt extending a cache, compared at C speed
+        return n
     for i in range(n):
         if a[i] != b[i]:
             return i
@@ -129,11 +131,7 @@ class AgentCacheStore:
         agent = self.agents.get(agent_id) if agent_id is not None else None
         if agent is None:
             return len(self._shared_block_ids(prompt)) * self.spec.block_size
-        if prompt[: agent.num_tokens] == agent.token_ids:
-            shared = agent.num_tokens
-        else:
-            shared = common_prefix_length(agent.token_ids, prompt)
-        return min(shared, len(prompt) - 1)
+        return min(common_prefix_length(agent.token_ids, prompt), len(prompt) - 1)
 
     def _shared_block_ids(self, prompt: list[int]) -> list[int]:
         """The pool's full blocks that hold `prompt`'s leading tokens (none for sliding-window models)."""
@@ -141,11 +139,9 @@ class AgentCacheStore:
             return []
         size = self.spec.block_size
         block_ids: list[int] = []
-        parent = None
-        for start in range(0, len(prompt) - size, size):
-            tokens = prompt[start : start + size]
-            parent = hash_block_tokens(parent, tokens)
-            block_id = self.pool.get_cached_block(parent, tokens)
+        # Not the last prompt token: at least one must be prefilled for the next token's logits.
+        for index, block_hash in enumerate(hash_prefix_blocks(prompt[:-1], size)):
+            block_id = self.pool.get_cached_block(block_hash, prompt[index * size : (index + 1) * size])
             if block_id is None:
                 break
             block_ids.append(block_id)
@@ -248,19 +244,17 @@ class AgentCacheStore:
         if self.spec.has_sliding_layers:
             return []
         size = self.spec.block_size
-        num_full = len(token_ids) // size * size
-        full_kv = [_kv_of(layer_caches[layer], num_full) for layer in self.spec.full_layer_ids]
+        hashes = hash_prefix_blocks(token_ids, size)
+        full_kv = [_kv_of(layer_caches[layer], len(hashes) * size) for layer in self.spec.full_layer_ids]
         published: list[int] = []
-        parent = None
-        for start in range(0, num_full, size):
+        for start, block_hash in zip(range(0, len(hashes) * size, size), hashes, strict=True):
             tokens = token_ids[start : start + size]
-            parent = hash_block_tokens(parent, tokens)
-            if self.pool.get_cached_block(parent, tokens) is not None:
+            if self.pool.get_cached_block(block_hash, tokens) is not None:
                 continue
             if not spare:
                 break
             block_id = spare.pop()
-            self.pool.cache_full_block(block_id, parent, tokens, _block_payload(full_kv, start, size))
+            self.pool.cache_full_block(block_id, block_hash, tokens, _block_payload(full_kv, start, size))
             published.append(block_id)
         mx.eval([self.pool.payload(b) for b in published])
         return published

@@ -58,27 +58,26 @@ def _softmax(scores: mx.array) -> mx.array:
     return weights / weights.sum(axis=-1, keepdims=True)
 
 
-def _softmax_keep(scores: mx.array, keep: mx.array) -> mx.array:
-    return _softmax(mx.where(keep, scores, mx.finfo(scores.dtype).min))
-
-
-def _softmax_add(scores: mx.array, bias: mx.array) -> mx.array:
-    return _softmax(scores + bias)
-
-
 class _Softmax:
     """Masked softmax over the last axis in float32: compiled polynomial, or MLX's own."""
 
     def __init__(self, compiled: bool):
         self.compiled = compiled
-        if compiled:
-            self.plain: Callable[..., mx.array] = mx.compile(_softmax)
-            self.keep: Callable[..., mx.array] = mx.compile(_softmax_keep)
-            self.add: Callable[..., mx.array] = mx.compile(_softmax_add)
-        else:
-            self.plain = partial(mx.softmax, axis=-1)
-            self.keep = lambda s, m: mx.softmax(mx.where(m, s, mx.finfo(s.dtype).min), axis=-1)
-            self.add = lambda s, b: mx.softmax(s + b, axis=-1)
+        core: Callable[[mx.array], mx.array] = _softmax if compiled else partial(mx.softmax, axis=-1)
+
+        def plain(scores: mx.array) -> mx.array:
+            return core(scores)
+
+        def keep(scores: mx.array, keep: mx.array) -> mx.array:
+            return core(mx.where(keep, scores, mx.finfo(scores.dtype).min))
+
+        def add(scores: mx.array, bias: mx.array) -> mx.array:
+            return core(scores + bias)
+
+        wrap: Callable[[Callable[..., mx.array]], Callable[..., mx.array]] = (
+            mx.compile if compiled else (lambda fn: fn)
+        )
+        self.plain, self.keep, self.add = wrap(plain), wrap(keep), wrap(add)
 
     def __call__(self, scores: mx.array, mask: mx.array | None) -> mx.array:
         if mask is None:

@@ -436,10 +436,10 @@ class Engine:
     def _admit(self) -> None:
         """Start the next prompt batch once the last one is prefilled, shortest uncached part first."""
         assert self._pool is not None and self._generator is not None
-        if not self._waiting or self._is_prefilling():
+        slots = min(self.config.max_batch_size - len(self._running), self._prefill_batch_size)
+        if not self._waiting or slots <= 0 or self._is_prefilling():
             return
         spec = self.model.spec
-        slots = min(self.config.max_batch_size - len(self._running), self._prefill_batch_size)
         for submit in self._admission_order():
             if slots <= 0:
                 return
