@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
-from engine.chat_format import ChatMessage
-from engine.engine import RequestStream
-from engine.messages import Finished, FinishReason, GenerationRequest
-from engine.sampling import SamplingParams
-from storage.conversation_file import ConversationRecord
+from semantic.engine.chat_format import ChatMessage
+from semantic.engine.engine import RequestStream
+from semantic.engine.messages import Finished, FinishReason, GenerationRequest
+from semantic.engine.sampling import SamplingParams
+from semantic.storage.conversation_file import ConversationRecord
 
 if TYPE_CHECKING:
-    from actors.system import AgentSystem
+    from semantic.actors.system import AgentSystem
 
 
 class MailboxFullError(RuntimeError):

@@ -13,11 +13,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.messages import Finished, PromptStarted, TokenDelta
-from engine.sampling import SamplingParams
+from semantic.engine.messages import Finished, PromptStarted, TokenDelta
+from semantic.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from actors.system import AgentSystem
+    from semantic.actors.system import AgentSystem
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,19 +19,19 @@ from pathlib import Path
 import mlx.core as mx
 from loguru import logger
 
-from actors.agent import AgentActor, Converse, Evict, Generate, Open
-from actors.handle import AgentHandle
-from actors.identity import validate_agent_id
-from engine.chat_format import ChatFormat, ChatMessage
-from engine.default_model import user_cache_dir
-from engine.engine import Engine, EngineConfig, EngineError, RequestStream
-from engine.loading import LoadedModel
-from engine.messages import GenerationRequest
-from engine.registry import ModelEntry, ModelRegistry
-from engine.sampling import SamplingParams
-from storage.cache_file import CacheIdentity, SerializedCache, from_tensors, to_tensors
-from storage.conversation_file import ConversationRecord
-from storage.persistence import PersistenceActor
+from semantic.actors.agent import AgentActor, Converse, Evict, Generate, Open
+from semantic.actors.handle import AgentHandle
+from semantic.actors.identity import validate_agent_id
+from semantic.engine.chat_format import ChatFormat, ChatMessage
+from semantic.engine.default_model import user_cache_dir
+from semantic.engine.engine import Engine, EngineConfig, EngineError, RequestStream
+from semantic.engine.loading import LoadedModel
+from semantic.engine.messages import GenerationRequest
+from semantic.engine.registry import ModelEntry, ModelRegistry
+from semantic.engine.sampling import SamplingParams
+from semantic.storage.cache_file import CacheIdentity, SerializedCache, from_tensors, to_tensors
+from semantic.storage.conversation_file import ConversationRecord
+from semantic.storage.persistence import PersistenceActor
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from bench.common import RESULTS, write_results
-from engine.default_model import ensure_default_model
+from semantic.engine.default_model import ensure_default_model
 from tests.server_process import ROOT, ServerProcess, free_port
 
 REPLY_TOKENS = 32

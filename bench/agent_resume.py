@@ -15,11 +15,11 @@ from typing import Any
 
 import aiohttp
 
-from actors.system import AgentSystem, SystemConfig
 from bench.common import write_results
-from engine.default_model import ensure_default_model
-from engine.engine import EngineConfig
-from engine.sampling import SamplingParams
+from semantic.actors.system import AgentSystem, SystemConfig
+from semantic.engine.default_model import ensure_default_model
+from semantic.engine.engine import EngineConfig
+from semantic.engine.sampling import SamplingParams
 from tests.server_process import ServerProcess
 
 PORT = 8792

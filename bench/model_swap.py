@@ -17,12 +17,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from actors.system import AgentSystem, SwapReport, SystemConfig
 from bench.common import write_results
-from engine.default_model import ensure_default_model
-from engine.engine import EngineConfig
-from engine.registry import ModelEntry
-from engine.sampling import SamplingParams
+from semantic.actors.system import AgentSystem, SwapReport, SystemConfig
+from semantic.engine.default_model import ensure_default_model
+from semantic.engine.engine import EngineConfig
+from semantic.engine.registry import ModelEntry
+from semantic.engine.sampling import SamplingParams
 from tests.tiny_models import build_tiny_model
 
 ROUNDS = 3

@@ -20,8 +20,8 @@ import mlx.core as mx
 from loguru import logger
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from engine.block_pool import BlockPool, hash_block_tokens, hash_prefix_blocks
-from engine.cache_spec import ModelCacheSpec
+from semantic.engine.block_pool import BlockPool, hash_block_tokens, hash_prefix_blocks
+from semantic.engine.cache_spec import ModelCacheSpec
 
 # None for an agent with no tokens yet.
 LayerKV = tuple[mx.array | None, mx.array | None]

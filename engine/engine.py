@@ -22,10 +22,10 @@ from loguru import logger
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.agent_cache import AgentCacheStore, CacheSnapshot
-from engine.block_pool import BlockPool
-from engine.loading import LoadedModel, load_model
-from engine.messages import (
+from semantic.engine.agent_cache import AgentCacheStore, CacheSnapshot
+from semantic.engine.block_pool import BlockPool
+from semantic.engine.loading import LoadedModel, load_model
+from semantic.engine.messages import (
     Call,
     Cancel,
     Command,
@@ -40,8 +40,8 @@ from engine.messages import (
     Submit,
     TokenDelta,
 )
-from engine.sampling import SamplingParams, make_sampler
-from engine.text_stream import TextStream
+from semantic.engine.sampling import SamplingParams, make_sampler
+from semantic.engine.text_stream import TextStream
 
 T = TypeVar("T")
 

@@ -12,10 +12,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.utils import load as mlx_lm_load
 
-from engine import cpu_attention
-from engine.cache_spec import ModelCacheSpec
-from engine.default_model import ensure_default_model
-from engine.registry import DEFAULT_MODEL_SOURCES, model_name_for
+from semantic.engine import cpu_attention
+from semantic.engine.cache_spec import ModelCacheSpec
+from semantic.engine.default_model import ensure_default_model
+from semantic.engine.registry import DEFAULT_MODEL_SOURCES, model_name_for
 
 DEFAULT_CONTEXT_LENGTH = 8192
 

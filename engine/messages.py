@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.sampling import SamplingParams
+from semantic.engine.sampling import SamplingParams
 
 
 class FinishReason(Enum):

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.default_model import DEFAULT_MODEL_NAME
+from semantic.engine.default_model import DEFAULT_MODEL_NAME
 
 DEFAULT_MODEL_SOURCES = ("default", DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}")
 # Requested names (globs) that mean "whatever model is loaded now".

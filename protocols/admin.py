@@ -7,10 +7,10 @@ import dataclasses
 import msgspec
 from aiohttp import web
 
-from actors.system import ModelLoadError, ModelUnavailableError, SwapReport
-from engine.registry import UnknownModelError
-from protocols.common import SYSTEM_KEY
-from protocols.errors import agent_error
+from semantic.actors.system import ModelLoadError, ModelUnavailableError, SwapReport
+from semantic.engine.registry import UnknownModelError
+from semantic.protocols.common import SYSTEM_KEY
+from semantic.protocols.errors import agent_error
 
 
 class LoadModel(msgspec.Struct, forbid_unknown_fields=True):

@@ -17,18 +17,18 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from actors.agent import AgentStoppedError, MailboxFullError
-from actors.identity import InvalidAgentIdError, validate_agent_id
-from actors.system import AgentInfo, ModelUnavailableError
-from engine.chat_format import ChatTemplateError
-from engine.engine import ModelChangedError, PromptTooLongError
-from engine.messages import Finished, PromptStarted, TokenDelta
-from engine.registry import UnknownModelError
-from engine.sampling import SamplingParams
-from protocols.common import SETTINGS_KEY, SYSTEM_KEY, ready_model, sse_response
-from protocols.errors import ApiError
-from protocols.errors import agent_error as error_response
-from protocols.observe import admit, check_bounds, watch
+from semantic.actors.agent import AgentStoppedError, MailboxFullError
+from semantic.actors.identity import InvalidAgentIdError, validate_agent_id
+from semantic.actors.system import AgentInfo, ModelUnavailableError
+from semantic.engine.chat_format import ChatTemplateError
+from semantic.engine.engine import ModelChangedError, PromptTooLongError
+from semantic.engine.messages import Finished, PromptStarted, TokenDelta
+from semantic.engine.registry import UnknownModelError
+from semantic.engine.sampling import SamplingParams
+from semantic.protocols.common import SETTINGS_KEY, SYSTEM_KEY, ready_model, sse_response
+from semantic.protocols.errors import ApiError
+from semantic.protocols.errors import agent_error as error_response
+from semantic.protocols.observe import admit, check_bounds, watch
 
 
 class CreateAgent(msgspec.Struct):

@@ -19,26 +19,32 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 
-from actors.agent import AgentStoppedError, MailboxFullError
-from actors.identity import InvalidAgentIdError, agent_id_from
-from actors.system import AgentSystem, ModelUnavailableError
-from engine.chat_format import ChatFormat, ChatMessage, ChatTemplateError
-from engine.engine import ModelChangedError, PromptTooLongError
-from engine.messages import Finished, FinishReason, PromptProgress, PromptStarted
-from engine.registry import UnknownModelError
-from engine.sampling import SamplingParams
-from protocols.common import (
+from semantic.actors.agent import AgentStoppedError, MailboxFullError
+from semantic.actors.identity import InvalidAgentIdError, agent_id_from
+from semantic.actors.system import AgentSystem, ModelUnavailableError
+from semantic.engine.chat_format import ChatFormat, ChatMessage, ChatTemplateError
+from semantic.engine.engine import ModelChangedError, PromptTooLongError
+from semantic.engine.messages import Finished, FinishReason, PromptProgress, PromptStarted
+from semantic.engine.registry import UnknownModelError
+from semantic.engine.sampling import SamplingParams
+from semantic.protocols.common import (
     SETTINGS_KEY,
     SYSTEM_KEY,
     parsed_events,
     ready_model,
     sse_response,
 )
-from protocols.errors import ApiError
-from protocols.errors import anthropic_error as error_response
-from protocols.observe import admit, check_bounds, watch
-from protocols.reasoning import ReasoningSplitter, ThinkingEnd, ThinkingPart, prompt_opens_thinking
-from protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallParser, ToolCallStart
+from semantic.protocols.errors import ApiError
+from semantic.protocols.errors import anthropic_error as error_response
+from semantic.protocols.observe import admit, check_bounds, watch
+from semantic.protocols.reasoning import ReasoningSplitter, ThinkingEnd, ThinkingPart, prompt_opens_thinking
+from semantic.protocols.tool_parser import (
+    TextPart,
+    ToolArgumentsDelta,
+    ToolCallEnd,
+    ToolCallParser,
+    ToolCallStart,
+)
 
 PING_INTERVAL_S = 5.0
 _VOLATILE_LINES = re.compile(r"^x-anthropic-billing-header:.*(?:\n|$)", re.MULTILINE)

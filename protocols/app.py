@@ -9,14 +9,14 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from actors.system import AgentSystem, SystemConfig
-from protocols import admin, agents, anthropic, openai, openapi
-from protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY, SYSTEM_KEY
-from protocols.errors import errors_in_protocol_shape
-from protocols.guard import Gate
-from protocols.metrics import Metrics
-from protocols.observe import add_request_id_header, observed
+from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.config import Settings
+from semantic.protocols import admin, agents, anthropic, openai, openapi
+from semantic.protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY, SYSTEM_KEY
+from semantic.protocols.errors import errors_in_protocol_shape
+from semantic.protocols.guard import Gate
+from semantic.protocols.metrics import Metrics
+from semantic.protocols.observe import add_request_id_header, observed
 
 STARTED_KEY = web.AppKey("started", dict[str, float])
 

@@ -6,15 +6,15 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from actors.system import AgentSystem
-from engine.engine import RequestStream
-from engine.loading import LoadedModel
-from engine.messages import Finished, PromptProgress, PromptStarted, TokenDelta
-from protocols.guard import Gate
-from protocols.metrics import Metrics
-from protocols.reasoning import ReasoningSplitter, ThinkingEnd, ThinkingPart
-from protocols.tool_parser import ParsedPart, ToolCallParser
+from semantic.actors.system import AgentSystem
 from semantic.config import Settings
+from semantic.engine.engine import RequestStream
+from semantic.engine.loading import LoadedModel
+from semantic.engine.messages import Finished, PromptProgress, PromptStarted, TokenDelta
+from semantic.protocols.guard import Gate
+from semantic.protocols.metrics import Metrics
+from semantic.protocols.reasoning import ReasoningSplitter, ThinkingEnd, ThinkingPart
+from semantic.protocols.tool_parser import ParsedPart, ToolCallParser
 
 SYSTEM_KEY = web.AppKey("system", AgentSystem)
 SETTINGS_KEY = web.AppKey("settings", Settings)

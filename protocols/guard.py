@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from protocols.errors import Overloaded, RateLimited, ShuttingDown, Unauthorized
 from semantic.config import Settings
+from semantic.protocols.errors import Overloaded, RateLimited, ShuttingDown, Unauthorized
 
 OPEN_PATHS = ("/health/",)  # answered without an API key and during shutdown
 MAX_TRACKED_AGENTS = 10_000

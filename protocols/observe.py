@@ -18,10 +18,10 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from loguru import logger
 
-from engine.engine import RequestStream
-from engine.messages import Event, Finished, PromptStarted, TokenDelta
-from protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY
-from protocols.errors import ApiError, RequestTimedOut, protocol_of
+from semantic.engine.engine import RequestStream
+from semantic.engine.messages import Event, Finished, PromptStarted, TokenDelta
+from semantic.protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY
+from semantic.protocols.errors import ApiError, RequestTimedOut, protocol_of
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")

@@ -10,28 +10,34 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 
-from actors.agent import AgentStoppedError, MailboxFullError
-from actors.identity import InvalidAgentIdError, agent_id_from
-from actors.system import ModelUnavailableError
-from engine.chat_format import ChatFormat, ChatTemplateError
-from engine.chat_format import ChatMessage as TemplateMessage
-from engine.engine import ModelChangedError, PromptTooLongError
-from engine.messages import Finished, FinishReason, PromptStarted
-from engine.registry import UnknownModelError
-from engine.sampling import SamplingParams
-from protocols.common import (
+from semantic.actors.agent import AgentStoppedError, MailboxFullError
+from semantic.actors.identity import InvalidAgentIdError, agent_id_from
+from semantic.actors.system import ModelUnavailableError
+from semantic.config import Settings
+from semantic.engine.chat_format import ChatFormat, ChatTemplateError
+from semantic.engine.chat_format import ChatMessage as TemplateMessage
+from semantic.engine.engine import ModelChangedError, PromptTooLongError
+from semantic.engine.messages import Finished, FinishReason, PromptStarted
+from semantic.engine.registry import UnknownModelError
+from semantic.engine.sampling import SamplingParams
+from semantic.protocols.common import (
     SETTINGS_KEY,
     SYSTEM_KEY,
     parsed_events,
     ready_model,
     sse_response,
 )
-from protocols.errors import ApiError, OpenAIError, OpenAIErrorDetail
-from protocols.errors import openai_error as error_response
-from protocols.observe import admit, check_bounds, watch
-from protocols.reasoning import ReasoningSplitter, ThinkingPart, prompt_opens_thinking
-from protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallParser, ToolCallStart
-from semantic.config import Settings
+from semantic.protocols.errors import ApiError, OpenAIError, OpenAIErrorDetail
+from semantic.protocols.errors import openai_error as error_response
+from semantic.protocols.observe import admit, check_bounds, watch
+from semantic.protocols.reasoning import ReasoningSplitter, ThinkingPart, prompt_opens_thinking
+from semantic.protocols.tool_parser import (
+    TextPart,
+    ToolArgumentsDelta,
+    ToolCallEnd,
+    ToolCallParser,
+    ToolCallStart,
+)
 
 _FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
 

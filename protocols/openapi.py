@@ -7,9 +7,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from protocols import agents, anthropic, openai
-from protocols.admin import LoadModel
-from protocols.errors import AgentError, AnthropicError, OpenAIError
+from semantic.protocols import agents, anthropic, openai
+from semantic.protocols.admin import LoadModel
+from semantic.protocols.errors import AgentError, AnthropicError, OpenAIError
 
 SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}

@@ -12,14 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from actors.system import AgentSystem, SystemConfig
-from engine.engine import EngineConfig
+from semantic.actors.system import AgentSystem, SystemConfig
+from semantic.engine.engine import EngineConfig
 
 
 async def turns(config: SystemConfig, questions: list[str], max_tokens: int) -> list[dict[str, object]]:

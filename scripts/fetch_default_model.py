@@ -8,9 +8,6 @@ Prints the model directory (under ~/.cache/semantic/models, or $SEMANTIC_CACHE_D
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from semantic.cli import main
 

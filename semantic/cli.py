@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 from semantic.launch import reexec_with_fast_blas
 
 if TYPE_CHECKING:
-    from actors.system import SystemConfig
-    from engine.default_model import ProgressFn
+    from semantic.actors.system import SystemConfig
     from semantic.config import LoadedSettings, Settings
+    from semantic.engine.default_model import ProgressFn
 
 
 # Flags for settings: (flag, setting key, help). Every setting also has SEMANTIC_<SECTION>_<KEY>.
@@ -143,10 +143,10 @@ def load(args: argparse.Namespace) -> LoadedSettings:
 
 
 def _system_config(settings: Settings) -> SystemConfig:
-    from actors.system import SystemConfig
-    from engine.default_model import user_cache_dir
-    from engine.engine import EngineConfig
-    from engine.registry import ModelEntry
+    from semantic.actors.system import SystemConfig
+    from semantic.engine.default_model import user_cache_dir
+    from semantic.engine.engine import EngineConfig
+    from semantic.engine.registry import ModelEntry
 
     _refuse_kv_bits(settings.cache.kv_bits)
     engine = EngineConfig(
@@ -206,8 +206,8 @@ def _progress_bar() -> ProgressFn:
 
 
 def _ensure_default_model(settings: Settings) -> None:
-    from engine.default_model import ensure_default_model
-    from engine.loading import is_default_model
+    from semantic.engine.default_model import ensure_default_model
+    from semantic.engine.loading import is_default_model
 
     if is_default_model(settings.model.name):
         ensure_default_model(settings.model.dtype, progress=_progress_bar())
@@ -273,9 +273,9 @@ def show_config(args: argparse.Namespace) -> None:
 
 
 async def _generate(args: argparse.Namespace, settings: Settings) -> None:
-    from actors.system import AgentSystem
-    from engine.messages import TokenDelta
-    from engine.sampling import SamplingParams
+    from semantic.actors.system import AgentSystem
+    from semantic.engine.messages import TokenDelta
+    from semantic.engine.sampling import SamplingParams
 
     system = AgentSystem(_system_config(settings))
     await system.start()
@@ -306,7 +306,7 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def fetch_model(args: argparse.Namespace) -> None:
-    from engine.default_model import ensure_default_model
+    from semantic.engine.default_model import ensure_default_model
 
     print(ensure_default_model(args.dtype, progress=_progress_bar()))
 

@@ -62,7 +62,7 @@ def fast_blas_env(environ: dict[str, str] | None = None) -> dict[str, str] | Non
     libs = sorted(openblas_dir.glob("libopenblas*.so*")) if openblas_dir else []
     if not libs:
         return None
-    from engine.default_model import user_cache_dir
+    from semantic.engine.default_model import user_cache_dir
 
     preload = [str(libs[0])] + [p for p in env.get("LD_PRELOAD", "").split(":") if p]
     library_path = _gfortran_dirs(user_cache_dir()) + [

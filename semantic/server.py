@@ -16,10 +16,10 @@ import time
 from aiohttp import web
 from loguru import logger
 
-from actors.system import SystemConfig
-from protocols.app import create_app
-from protocols.common import GATE_KEY, SYSTEM_KEY
+from semantic.actors.system import SystemConfig
 from semantic.config import Settings
+from semantic.protocols.app import create_app
+from semantic.protocols.common import GATE_KEY, SYSTEM_KEY
 
 HANDLER_GRACE_S = 5.0  # after the engine is drained, for handlers to write their last events
 

@@ -19,7 +19,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from engine.agent_cache import CacheSnapshot
+from semantic.engine.agent_cache import CacheSnapshot
 
 FORMAT_VERSION = "1"
 _STORAGE_VIEW = {2: (mx.uint16, np.uint16), 4: (mx.uint32, np.uint32), 1: (mx.uint8, np.uint8)}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from storage.cache_file import replace_atomically
+from semantic.storage.cache_file import replace_atomically
 
 
 class ConversationRecord(msgspec.Struct):

@@ -16,14 +16,14 @@ from typing import Any, TypeVar
 
 from loguru import logger
 
-from storage.cache_file import (
+from semantic.storage.cache_file import (
     CacheFileError,
     CacheIdentity,
     SerializedCache,
     read_cache_file,
     write_cache_file,
 )
-from storage.conversation_file import ConversationRecord, read_conversation, write_conversation
+from semantic.storage.conversation_file import ConversationRecord, read_conversation, write_conversation
 
 SUFFIX = ".safetensors"
 CONVERSATION_SUFFIX = ".conversation.json"

@@ -10,13 +10,13 @@ import pytest
 import pytest_asyncio
 from mlx_lm import stream_generate
 
-from actors.agent import AgentStoppedError, Generate, MailboxFullError
-from actors.identity import InvalidAgentIdError, agent_id_from, validate_agent_id
-from actors.system import AgentSystem, SystemConfig
-from engine.engine import EngineConfig, RequestStream
-from engine.messages import Finished, GenerationRequest, PromptStarted, TokenDelta
-from engine.sampling import SamplingParams
-from storage.cache_file import CacheIdentity, read_cache_file, write_cache_file
+from semantic.actors.agent import AgentStoppedError, Generate, MailboxFullError
+from semantic.actors.identity import InvalidAgentIdError, agent_id_from, validate_agent_id
+from semantic.actors.system import AgentSystem, SystemConfig
+from semantic.engine.engine import EngineConfig, RequestStream
+from semantic.engine.messages import Finished, GenerationRequest, PromptStarted, TokenDelta
+from semantic.engine.sampling import SamplingParams
+from semantic.storage.cache_file import CacheIdentity, read_cache_file, write_cache_file
 
 TURNS = ["Hi! My name is Ada.", "What is my name?", "Tell me a fun fact about the moon."]
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_pool import BlockPool, hash_block_tokens, hash_prefix_blocks
+from semantic.engine.block_pool import BlockPool, hash_block_tokens, hash_prefix_blocks
 
 BLOCK_SIZE = 4
 

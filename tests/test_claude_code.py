@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from engine.default_model import user_cache_dir
+from semantic.engine.default_model import user_cache_dir
 
 
 def claude_cli() -> str | None:

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import cpu_attention
+from semantic.engine import cpu_attention
 
 
 def test_exp2_matches_numpy_over_the_range_it_is_used_on() -> None:
@@ -73,7 +73,7 @@ def test_a_large_softmax_is_split_across_streams_and_stays_exact() -> None:
 def test_loading_a_model_on_the_cpu_routes_its_attention_here(default_model_dir: Path) -> None:
     from mlx_lm.models import base, llama
 
-    from engine.loading import load_model
+    from semantic.engine.loading import load_model
 
     load_model(str(default_model_dir))
     assert mx.default_device() == mx.cpu

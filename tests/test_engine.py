@@ -12,9 +12,9 @@ import pytest
 import pytest_asyncio
 from mlx_lm import generate as mlx_generate
 
-from engine.engine import Engine, EngineConfig, PromptTooLongError, RequestStream
-from engine.messages import Finished, FinishReason, GenerationRequest, PromptStarted, TokenDelta
-from engine.sampling import SamplingParams
+from semantic.engine.engine import Engine, EngineConfig, PromptTooLongError, RequestStream
+from semantic.engine.messages import Finished, FinishReason, GenerationRequest, PromptStarted, TokenDelta
+from semantic.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -170,7 +170,7 @@ async def test_drain_waits_for_the_batch_then_fails_what_outlives_its_timeout(en
 
 
 async def test_a_request_tokenized_for_another_model_is_refused(engine: Engine) -> None:
-    from engine.engine import ModelChangedError
+    from semantic.engine.engine import ModelChangedError
 
     request = GenerationRequest(
         "x", chat(engine, "hi"), SamplingParams(max_tokens=2), model_fingerprint="other"

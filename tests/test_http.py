@@ -11,10 +11,10 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
-from actors.system import SystemConfig
-from engine.engine import EngineConfig
-from protocols.app import create_app
-from protocols.common import GATE_KEY, SYSTEM_KEY
+from semantic.actors.system import SystemConfig
+from semantic.engine.engine import EngineConfig
+from semantic.protocols.app import create_app
+from semantic.protocols.common import GATE_KEY, SYSTEM_KEY
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

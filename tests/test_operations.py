@@ -15,8 +15,8 @@ import openai
 import pytest
 from hypothesis import given
 
-from protocols.guard import TokenBucket
 from semantic.config import ConfigError, load_settings
+from semantic.protocols.guard import TokenBucket
 from tests.server_process import ROOT, ServerProcess
 
 KEY = "test-key-123"

@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocols.reasoning import (
+from semantic.protocols.reasoning import (
     ReasoningPart,
     ReasoningSplitter,
     ThinkingEnd,

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from storage import cache_file
-from storage.cache_file import CacheIdentity, SerializedCache, read_cache_file
-from storage.persistence import PersistenceActor
+from semantic.storage import cache_file
+from semantic.storage.cache_file import CacheIdentity, SerializedCache, read_cache_file
+from semantic.storage.persistence import PersistenceActor
 from tests.server_process import ServerProcess
 
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]

@@ -8,7 +8,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocols.tool_parser import (
+from semantic.protocols.tool_parser import (
     ParsedPart,
     TextPart,
     ToolArgumentsDelta,
