@@ -1,35 +1,49 @@
-"""An agent actor: a bounded mailbox and one turn at a time.
+"""An agent actor: a bounded mailbox, one message at a time, and nothing it does not need.
 
-Ask/tell rules (after pykka): a failure while handling an ask goes to the asker and the actor
-lives on; a failure on a tell is logged and stops the actor. At stop every queued ask fails with
-AgentStoppedError, so no caller waits forever.
+Every request is a message to an actor: a named agent's actor serialises its turns, evictions and
+deletion (a delete waits for the running turn, so nothing resurrects the agent); an anonymous
+request gets an actor of its own that ends with the request. An idle actor stops after
+`idle_s` and is recreated on demand, so memory stays bounded however many ids clients invent.
+
+Ask rules (after pykka): a failure while handling a message goes to its asker and the actor lives
+on. At stop every queued ask fails with AgentStoppedError, so no caller waits forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from loguru import logger
 
-from semantic.engine.chat_format import ChatMessage
-from semantic.engine.engine import RequestStream
+from semantic.actors.agent_id import AgentId
+from semantic.actors.models import ModelHost, ModelSession
+from semantic.actors.turns import (
+    PreparedPrompt,
+    PromptLimitError,
+    TurnRequest,
+    TurnStarted,
+    prepare_continuation,
+    prepare_stateless,
+)
+from semantic.engine.commands import DropCache, NeedsRestore, RestoreCache, TakeCache
+from semantic.engine.engine import Engine
 from semantic.engine.messages import Finished, FinishReason, GenerationRequest
-from semantic.engine.sampling import SamplingParams
 from semantic.storage.conversation_file import ConversationRecord
 
-if TYPE_CHECKING:
-    from semantic.actors.system import AgentSystem
+RETRY_AFTER_S = 1
 
 
 class MailboxFullError(RuntimeError):
-    def __init__(self, agent_id: str, limit: int) -> None:
+    def __init__(self, agent_id: str | None, limit: int) -> None:
         super().__init__(
             f"agent {agent_id} already has {limit} requests queued (the mailbox limit); retry later"
         )
         self.limit = limit
+        self.retry_after_s = RETRY_AFTER_S
 
 
 class AgentStoppedError(RuntimeError):
@@ -37,169 +51,238 @@ class AgentStoppedError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
-class Generate:
-    request: GenerationRequest
+class StartTurn:
+    turn: TurnRequest
 
 
 @dataclass(frozen=True, slots=True)
-class Converse:
-    """A stateful turn: the actor appends `messages` to the conversation it keeps, as token ids."""
-
-    messages: list[ChatMessage]
-    sampling: SamplingParams
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class Open:
+class OpenConversation:
     """Start (or restart) the kept conversation with a system prompt."""
 
     system: str | None
 
 
 @dataclass(frozen=True, slots=True)
-class Evict:
+class EvictCache:
     pass
 
 
 @dataclass(frozen=True, slots=True)
-class Stop:
+class ForgetAgent:
     pass
 
 
-Message = Generate | Converse | Open | Evict | Stop
+@dataclass(frozen=True, slots=True)
+class StopAgent:
+    pass
 
 
-class Envelope:
-    __slots__ = ("message", "reply")
-
-    def __init__(self, message: Message, reply: asyncio.Future[Any] | None) -> None:
-        self.message = message
-        self.reply = reply
+AgentMessage = StartTurn | OpenConversation | EvictCache | ForgetAgent | StopAgent
 
 
 class AgentActor:
-    def __init__(self, system: AgentSystem, agent_id: str, mailbox_size: int) -> None:
-        self.system = system
+    def __init__(
+        self,
+        agent_id: AgentId | None,
+        engine: Engine,
+        models: ModelHost,
+        on_exit: Callable[[AgentActor], None],
+        mailbox_size: int = 8,
+        idle_s: float = 60.0,
+        max_prompt_tokens: int | None = None,
+    ) -> None:
         self.agent_id = agent_id
+        self._engine = engine
+        self._models = models
+        self._on_exit = on_exit
         self.mailbox_size = mailbox_size
-        # Unbounded underneath so Stop always gets in; `_put` enforces the bound for everything else.
-        self._mailbox: asyncio.Queue[Envelope] = asyncio.Queue()
+        self.idle_s = idle_s
+        self.max_prompt_tokens = max_prompt_tokens
+        # Unbounded underneath so StopAgent always gets in; `ask` enforces the bound for the rest.
+        self._mailbox: asyncio.Queue[tuple[AgentMessage, asyncio.Future[Any]]] = asyncio.Queue()
         self._stopped = False
         self.num_turns = 0
-        # The direct API's conversation; None until first needed (then loaded from disk or new).
-        self.conversation: ConversationRecord | None = None
-        self._conversation_model: str | None = None  # the fingerprint of the model it belongs to
+        # The direct API's conversation, for the model whose fingerprint is `_conversation_model`.
+        self._conversation: ConversationRecord | None = None
+        self._conversation_model: str | None = None
 
     @property
     def is_stopped(self) -> bool:
         return self._stopped
 
-    def ask(self, message: Message) -> asyncio.Future[Any]:
-        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._put(Envelope(message, reply))
-        return reply
+    @property
+    def is_anonymous(self) -> bool:
+        return self.agent_id is None
 
-    def tell(self, message: Message) -> None:
-        self._put(Envelope(message, None))
-
-    def _put(self, envelope: Envelope) -> None:
+    def ask(self, message: AgentMessage) -> asyncio.Future[Any]:
         if self._stopped:
             raise AgentStoppedError(f"agent {self.agent_id} is stopped")
         if self._mailbox.qsize() >= self.mailbox_size:
             raise MailboxFullError(self.agent_id, self.mailbox_size)
-        self._mailbox.put_nowait(envelope)
+        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._mailbox.put_nowait((message, reply))
+        return reply
 
     def stop_nowait(self) -> None:
         """Stop after the current message; every queued ask then fails with AgentStoppedError."""
-        self._stopped = True
-        self._mailbox.put_nowait(Envelope(Stop(), None))
+        if not self._stopped:
+            self._stopped = True
+            self._mailbox.put_nowait((StopAgent(), asyncio.get_running_loop().create_future()))
 
     async def run(self) -> None:
         try:
             while not self._stopped:
-                envelope = await self._mailbox.get()
-                if isinstance(envelope.message, Stop):
+                try:
+                    async with asyncio.timeout(self.idle_s):
+                        message, reply = await self._mailbox.get()
+                except TimeoutError:
+                    if self._mailbox.empty():
+                        break  # idle: the registry makes a new actor when the id comes back
+                    continue
+                if isinstance(message, StopAgent):
                     break
-                await self._handle(envelope)
+                await self._handle(message, reply)
+                if self.is_anonymous:
+                    break  # an anonymous actor lives for its one request
         finally:
             self._stopped = True
+            self._on_exit(self)  # synchronously, so no message can reach a retired actor
             self._fail_queued()
-            self.system.forget(self)
 
-    async def _handle(self, envelope: Envelope) -> None:
+    async def _handle(self, message: AgentMessage, reply: asyncio.Future[Any]) -> None:
         try:
-            result = await self._dispatch(envelope.message, envelope.reply)
+            result = await self._dispatch(message, reply)
         except Exception as error:
-            if envelope.reply is None:
-                logger.exception("agent {} failed on a tell; stopping", self.agent_id)
-                raise
-            if not envelope.reply.done():
-                envelope.reply.set_exception(error)
+            if not reply.done():
+                reply.set_exception(error)
             return
-        if envelope.reply is not None and not envelope.reply.done():
-            envelope.reply.set_result(result)
+        if not reply.done():
+            reply.set_result(result)
 
-    async def _dispatch(self, message: Message, reply: asyncio.Future[Any] | None) -> Any:
+    async def _dispatch(self, message: AgentMessage, reply: asyncio.Future[Any]) -> Any:
         match message:
-            case Generate(request=request):
-                stream = await self._submit(request, reply)
-                await asyncio.shield(stream.done)
-                return stream
-            case Converse(messages=messages, sampling=sampling, request_id=request_id):
-                model = await self.system.use_model()
-                conversation = await self._conversation(model.fingerprint)
-                chat = self.system.chat_format
-                if conversation.token_ids:
-                    suffix = chat.continuation(conversation.system, messages)
-                else:
-                    suffix = chat.opening(conversation.system, messages)
-                prompt = conversation.token_ids + chat.encode(suffix)
-                request = GenerationRequest(request_id, prompt, sampling, model_fingerprint=model.fingerprint)
-                stream = await self._submit(request, reply)
-                final = await asyncio.shield(stream.done)
-                if isinstance(final, Finished) and final.reason is not FinishReason.CANCELLED:
-                    generated = list(final.generated_token_ids)
-                    if generated and generated[-1] in model.eos_token_ids:
-                        generated.pop()  # the continuation writes the end of the turn itself
-                    conversation.token_ids = prompt + generated
-                    conversation.num_turns += 1
-                    await self.system.save_conversation(self.agent_id, conversation)
-                return stream
-            case Open(system=system_prompt):
-                self._conversation_model = (await self.system.use_model()).fingerprint
-                self.conversation = ConversationRecord(system=system_prompt, created_at=time.time())
-                await self.system.save_conversation(self.agent_id, self.conversation)
-                return self.conversation
-            case Evict():
-                return await self.system.evict_to_disk(self.agent_id)
-            case Stop():
+            case StartTurn(turn=turn):
+                return await self._run_turn(turn, reply)
+            case OpenConversation(system=system_prompt):
+                session = await self._models.ready()
+                self._conversation_model = session.loaded.fingerprint
+                self._conversation = ConversationRecord(system=system_prompt, created_at=time.time())
+                await self._save_conversation(session, self._conversation)
+                return self._conversation
+            case EvictCache():
+                return await self._evict()
+            case ForgetAgent():
+                return await self._forget()
+            case StopAgent():
                 return None
 
-    async def _submit(self, request: GenerationRequest, reply: asyncio.Future[Any] | None) -> RequestStream:
-        request.agent_id = self.agent_id
-        if await self.system.restore_from_disk(self.agent_id):
-            request.cache_tier_hint = "disk"
-        stream = self.system.engine.submit(request)
-        self.num_turns += 1
-        # The asker gets the stream now; the actor's next message waits until this turn is done.
-        if reply is not None and not reply.done():
-            reply.set_result(stream)
-        return stream
-
-    async def _conversation(self, model_fingerprint: str) -> ConversationRecord:
-        """The kept conversation for the loaded model (each model keeps its own, as its token ids)."""
-        if self.conversation is None or self._conversation_model != model_fingerprint:
-            self._conversation_model = model_fingerprint
-            self.conversation = await self.system.load_conversation(self.agent_id) or ConversationRecord(
-                created_at=time.time()
+    async def _run_turn(self, turn: TurnRequest, reply: asyncio.Future[Any]) -> None:
+        session = await self._models.ready(turn.model)
+        loaded = session.loaded
+        conversation = await self._kept_conversation(session) if turn.keeps_conversation else None
+        if conversation is not None:
+            prompt = await self._models.tokenize(
+                prepare_continuation, session.chat, conversation.token_ids, conversation.system, turn
             )
-        return self.conversation
+        else:
+            prompt = await self._models.tokenize(prepare_stateless, session.chat, turn)
+        if self.max_prompt_tokens is not None and len(prompt.token_ids) > self.max_prompt_tokens:
+            raise PromptLimitError(len(prompt.token_ids), self.max_prompt_tokens)
+        request = GenerationRequest(
+            turn.request_id, prompt.token_ids, turn.sampling, model_fingerprint=loaded.fingerprint
+        )
+        request.agent_id = self.agent_id
+        if await self._restore_from_disk(session):
+            request.cache_tier_hint = "disk"
+        stream = self._engine.submit(request)
+        self.num_turns += 1
+        committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if reply.done():  # the asker left (a client that disconnected) before the turn started
+            stream.cancel()
+        else:
+            reply.set_result(TurnStarted(stream, prompt, loaded.name, self.agent_id, committed))
+        # The next message waits until this turn is done (and, for a kept conversation, durable).
+        try:
+            final = await asyncio.shield(stream.done)
+            if conversation is not None and isinstance(final, Finished):
+                await self._commit(session, conversation, prompt, final)
+        except Exception as error:
+            committed.set_exception(error)
+            committed.exception()  # retrieved: a reader that left must not warn about it
+            logger.error("agent {}: turn {} not committed: {}", self.agent_id, turn.request_id, error)
+            return None
+        committed.set_result(None)
+        return None
+
+    async def _commit(
+        self, session: ModelSession, conversation: ConversationRecord, prompt: PreparedPrompt, final: Finished
+    ) -> None:
+        if final.reason is FinishReason.CANCELLED:
+            return
+        generated = list(final.generated_token_ids)
+        if generated and generated[-1] in session.loaded.eos_token_ids:
+            generated.pop()  # the continuation writes the end of the turn itself
+        updated = ConversationRecord(
+            conversation.system,
+            prompt.token_ids + generated,
+            conversation.num_turns + 1,
+            conversation.created_at,
+        )
+        await self._save_conversation(session, updated)
+        self._conversation = updated
+
+    async def _save_conversation(self, session: ModelSession, record: ConversationRecord) -> None:
+        if session.persistence is not None and self.agent_id is not None:
+            await session.persistence.save_conversation(self.agent_id, record)
+
+    async def _kept_conversation(self, session: ModelSession) -> ConversationRecord:
+        """The kept conversation for the loaded model (each model keeps its own, as its token ids)."""
+        fingerprint = session.loaded.fingerprint
+        if self._conversation is None or self._conversation_model != fingerprint:
+            record = None
+            if session.persistence is not None and self.agent_id is not None:
+                record = await session.persistence.load_conversation(self.agent_id)
+            self._conversation = record or ConversationRecord(created_at=time.time())
+            self._conversation_model = fingerprint
+        return self._conversation
+
+    async def _restore_from_disk(self, session: ModelSession) -> bool:
+        """Load the agent's cache into the engine if it is on disk and not in memory."""
+        persistence, agent_id = session.persistence, self.agent_id
+        if persistence is None or agent_id is None:
+            return False
+        fingerprint = session.loaded.fingerprint
+        if not await self._engine.ask(NeedsRestore(agent_id, fingerprint)):
+            return False
+        cache = await persistence.load(agent_id)
+        if cache is None:
+            return False
+        return await self._engine.ask(RestoreCache(cache, fingerprint))
+
+    async def _evict(self) -> bool:
+        """Write the agent's cache to disk and free its blocks; False if it had none in memory."""
+        persistence = self._models.persistence
+        if self.agent_id is None or self._engine.loaded is None:
+            return False
+        serialized = await self._engine.ask(TakeCache(self.agent_id))
+        if serialized is None or persistence is None:
+            return False
+        return bool(await persistence.save([serialized]))
+
+    async def _forget(self) -> None:
+        """Drop the agent's cache and conversation from memory and disk."""
+        assert self.agent_id is not None, "forget sent to an anonymous actor: registry bug"
+        self._conversation = None
+        if self._engine.loaded is not None:
+            await self._engine.ask(DropCache(self.agent_id))
+        persistence = self._models.persistence
+        if persistence is not None:
+            await persistence.delete(self.agent_id)
 
     def _fail_queued(self) -> None:
         while not self._mailbox.empty():
-            envelope = self._mailbox.get_nowait()
-            if envelope.reply is not None and not envelope.reply.done():
-                envelope.reply.set_exception(
+            _, reply = self._mailbox.get_nowait()
+            if not reply.done():
+                reply.set_exception(
                     AgentStoppedError(f"agent {self.agent_id} stopped before handling this request")
                 )

@@ -9,10 +9,13 @@ async with AgentSystem(SystemConfig()) as system:
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from semantic.actors.agent_id import AgentId
+from semantic.actors.turns import TurnRequest
 from semantic.engine.messages import Finished, PromptStarted, TokenDelta
 from semantic.engine.sampling import SamplingParams
 
@@ -32,7 +35,7 @@ class TurnSummary:
 class AgentHandle:
     """Send an agent new user messages and iterate its reply; the agent keeps the conversation."""
 
-    def __init__(self, system: AgentSystem, agent_id: str) -> None:
+    def __init__(self, system: AgentSystem, agent_id: AgentId) -> None:
         self.system = system
         self.agent_id = agent_id
         self.last_turn: TurnSummary | None = None
@@ -40,16 +43,27 @@ class AgentHandle:
     async def say(
         self, content: str, max_tokens: int = 256, temperature: float = 0.0, **sampling: object
     ) -> AsyncIterator[str]:
-        """Yield the reply's text as it is generated. Breaking out of the loop cancels the turn."""
+        """Yield the reply's text as it is generated. Breaking out of the loop cancels the turn.
+
+        The turn is durable (its conversation record fsynced) by the time the loop ends.
+        """
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, **sampling)  # type: ignore[arg-type]
-        stream = await self.system.converse(self.agent_id, [{"role": "user", "content": content}], params)
+        turn = TurnRequest(
+            uuid.uuid4().hex,
+            self.agent_id,
+            [{"role": "user", "content": content}],
+            params,
+            keeps_conversation=True,
+        )
+        started = await self.system.start_turn(turn)
         tier = "none"
-        async for event in stream:
+        async for event in started.stream:
             if isinstance(event, PromptStarted):
                 tier = event.cache_tier
             elif isinstance(event, TokenDelta) and event.text:
                 yield event.text
             elif isinstance(event, Finished):
+                await started.committed
                 self.last_turn = TurnSummary(
                     event.num_prompt_tokens,
                     event.num_cached_tokens,

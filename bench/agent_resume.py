@@ -16,7 +16,8 @@ from typing import Any
 import aiohttp
 
 from bench.common import write_results
-from semantic.actors.system import AgentSystem, SystemConfig
+from semantic import AgentId, AgentSystem, SystemConfig, TurnRequest
+from semantic.engine.commands import InspectPool
 from semantic.engine.default_model import ensure_default_model
 from semantic.engine.engine import EngineConfig
 from semantic.engine.sampling import SamplingParams
@@ -148,10 +149,16 @@ async def sharing_figures(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
                 {"role": "user", "content": f"Agent {agent}, say hello."},
             ]
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            stream = await system.generate(f"agent-{agent}", prompt, SamplingParams(max_tokens=4))
-            async for _ in stream:
+            turn = TurnRequest(
+                f"share-{agent}",
+                AgentId(f"agent-{agent}"),
+                [],
+                SamplingParams(max_tokens=4),
+                prompt_token_ids=prompt,
+            )
+            async for _ in (await system.start_turn(turn)).stream:
                 pass
-            used.append(await system.engine.call(lambda e: e._pool.used_bytes))
+            used.append((await system.engine.ask(InspectPool())).used_bytes)
         prompt_tokens = len(prompt)
         block_bytes = system.engine.model.spec.bytes_per_block
     finally:

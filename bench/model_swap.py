@@ -18,7 +18,8 @@ from typing import Any
 import mlx.core as mx
 
 from bench.common import write_results
-from semantic.actors.system import AgentSystem, SwapReport, SystemConfig
+from semantic import AgentId, AgentSystem, SystemConfig, TurnRequest
+from semantic.actors.models import SwapReport
 from semantic.engine.default_model import ensure_default_model
 from semantic.engine.engine import EngineConfig
 from semantic.engine.registry import ModelEntry
@@ -36,21 +37,19 @@ async def warm_agents(system: AgentSystem) -> None:
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": f"Hello {index}"},
         ]
-        stream = await system.converse(
-            f"agent-{index}", messages, SamplingParams(temperature=0, max_tokens=8)
+        turn = TurnRequest(
+            f"warm-{index}", AgentId(f"agent-{index}"), messages, SamplingParams(temperature=0, max_tokens=8)
         )
-        async for _ in stream:
-            pass
+        await _consume((await system.start_turn(turn)).stream)
 
 
 async def swap_while_decoding(system: AgentSystem, target: str) -> SwapReport:
     """Ask for the swap while a 48-token reply is still decoding: the drain waits for it."""
-    stream = await system.converse(
-        "agent-busy", [{"role": "user", "content": "Tell me a story."}], SamplingParams(max_tokens=48)
-    )
-    consumer = asyncio.create_task(_consume(stream))
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    turn = TurnRequest("busy", AgentId("agent-busy"), messages, SamplingParams(max_tokens=48))
+    consumer = asyncio.create_task(_consume((await system.start_turn(turn)).stream))
     await asyncio.sleep(0.5)
-    report = await system.swap_model(target)
+    report = await system.models.swap(target)
     await consumer
     assert report is not None and report.error is None, report
     return report
@@ -80,7 +79,7 @@ async def main() -> None:
         await system.start()
         first_load_s = time.perf_counter() - started
         memory_loaded = mx.get_active_memory()
-        default_name = system.registry.initial.name
+        default_name = system.models.registry.initial.name
         to_tiny: list[SwapReport] = []
         to_default: list[SwapReport] = []
         for _ in range(ROUNDS):
@@ -88,11 +87,11 @@ async def main() -> None:
             to_tiny.append(await swap_while_decoding(system, "tiny"))
             to_default.append(await swap_while_decoding(system, default_name))
         await warm_agents(system)
-        unloaded = await system.unload_model()
+        unloaded = await system.models.unload()
         assert unloaded is not None
         await system.stop()
 
-    before = system.active_memory_before_load
+    before = system.models.active_memory_before_load
     footprint = unloaded.active_memory_before_unload - before
     results = {
         "model": default_name,

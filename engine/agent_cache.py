@@ -57,7 +57,15 @@ class PreparedPrompt:
     caches: list[Any]
     num_cached_tokens: int
     tier: str
-    divergence: int | None
+
+
+ANONYMOUS_PREFIX = "#anon-"  # a client's agent id never holds "#", so these cannot collide
+
+
+def is_anonymous(agent_id: str) -> bool:
+    """Whether the engine named this cache itself (for a request without an agent id): such caches
+    are matched by content in memory only and never written to disk."""
+    return agent_id.startswith(ANONYMOUS_PREFIX)
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -80,21 +88,17 @@ class AgentCacheStore:
         self.evicted: list[CacheSnapshot] = []
         self._anonymous_ids = itertools.count()
 
-    @property
-    def num_cached_tokens(self) -> int:
-        return sum(agent.num_tokens for agent in self.agents.values())
-
     def resolve_agent_id(self, agent_id: str | None, prompt: list[int]) -> str:
         """An explicit id wins; otherwise the cached agent whose tokens the prompt extends."""
         if agent_id is not None:
             return agent_id
         best, best_len = None, 0
         for agent in self.agents.values():
-            if agent.agent_id.startswith("anon-") and agent.num_running == 0:
+            if is_anonymous(agent.agent_id) and agent.num_running == 0:
                 shared = common_prefix_length(agent.token_ids, prompt)
                 if shared == agent.num_tokens and shared > best_len:
                     best, best_len = agent.agent_id, shared
-        return best or f"anon-{next(self._anonymous_ids)}"
+        return best or f"{ANONYMOUS_PREFIX}{next(self._anonymous_ids)}"
 
     def prepare(self, agent_id: str, prompt: list[int]) -> PreparedPrompt:
         """Build per-layer caches holding the longest reusable prefix of `prompt`."""
@@ -122,9 +126,9 @@ class AgentCacheStore:
                     agent_id,
                     trim,
                 )
-                return PreparedPrompt(agent_id, self._new_caches(), 0, "none", divergence)
+                return PreparedPrompt(agent_id, self._new_caches(), 0, "none")
         caches = self._build_caches(agent, num_reused)
-        return PreparedPrompt(agent_id, caches, num_reused, "memory" if num_reused else "none", divergence)
+        return PreparedPrompt(agent_id, caches, num_reused, "memory" if num_reused else "none")
 
     def num_reusable(self, agent_id: str | None, prompt: list[int]) -> int:
         """How many leading prompt tokens `prepare` would take from memory (for scheduling)."""
@@ -151,10 +155,10 @@ class AgentCacheStore:
         """A new agent still reuses full blocks another agent published (full-attention models)."""
         block_ids = self._shared_block_ids(prompt)
         if not block_ids:
-            return PreparedPrompt(agent_id, self._new_caches(), 0, "none", None)
+            return PreparedPrompt(agent_id, self._new_caches(), 0, "none")
         num_reused = len(block_ids) * self.spec.block_size
         probe = AgentCache(agent_id, prompt[:num_reused], block_ids, [])
-        return PreparedPrompt(agent_id, self._build_caches(probe, num_reused), num_reused, "memory", None)
+        return PreparedPrompt(agent_id, self._build_caches(probe, num_reused), num_reused, "memory")
 
     def _build_caches(self, agent: AgentCache, num_tokens: int) -> list[Any]:
         if num_tokens == 0:

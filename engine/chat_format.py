@@ -79,11 +79,6 @@ class ChatFormat:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
         return ids
 
-    def prompt_tokens(
-        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None, prefill: str = ""
-    ) -> list[int]:
-        return self.encode(self.render(messages, tools) + prefill)
-
     def continuation(self, system: str | None, new_messages: list[ChatMessage]) -> str:
         """The text that follows a finished assistant turn to add `new_messages` and open the next one.
 

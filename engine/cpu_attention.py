@@ -5,19 +5,18 @@ softmax's scalar `exp` is the largest cost of a long prefill: a 519-token turn o
 history spent 6.5 s of 9 s in it (SmolLM2-135M, 2 cores). Here the exponential is a degree-5
 polynomial on 2^fraction, scaled by 2^integer built from the float's bits (relative error
 < 3e-7), fused by `mx.compile` into one kernel with the mask, and the rows are split across one
-CPU stream per core so every core works on it. Metal and CUDA keep their fused kernels: this is
-installed only when the model runs on the CPU, and only for attention it can do exactly as
-mlx-lm would (no attention sinks, no quantized KV cache).
+CPU stream per core so every core works on it. Metal and CUDA keep their fused kernels:
+`mlx_seams.install_cpu_attention` routes mlx-lm's attention here only when the model runs on the
+CPU, only on the engine thread, and only for attention it can do exactly as mlx-lm would (no
+attention sinks, no quantized KV cache).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import mlx.core as mx
 from loguru import logger
@@ -145,23 +144,6 @@ def attention(
     return out
 
 
-def _make_sdpa(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    def scaled_dot_product_attention(
-        queries: mx.array,
-        keys: Any,
-        values: Any,
-        cache: Any,
-        scale: float,
-        mask: mx.array | str | None,
-        sinks: mx.array | None = None,
-    ) -> mx.array:
-        if sinks is not None or hasattr(cache, "bits") or queries.shape[2] == 1:
-            return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-        return attention(queries, keys, values, scale, mask)
-
-    return scaled_dot_product_attention
-
-
 def _jit_works() -> bool:
     """Whether `mx.compile` can build CPU kernels here (it needs a C++ compiler at run time)."""
     try:
@@ -173,26 +155,7 @@ def _jit_works() -> bool:
         return False
 
 
-def install() -> bool:
-    """Route mlx-lm's attention through `attention` when models run on the CPU; True if installed.
-
-    Call after loading a model: every imported `mlx_lm.models` module that uses mlx-lm's own
-    `scaled_dot_product_attention` (a model and, say, its text tower) gets the wrapper.
-    """
-    if mx.default_device() != mx.cpu or os.environ.get("SEMANTIC_NO_FAST_ATTENTION"):
-        return False
-    from mlx_lm.models import base
-
-    _masked_softmax()
-    wrapper = _make_sdpa(base.scaled_dot_product_attention)
-    for name, module in list(sys.modules.items()):
-        uses_base = getattr(module, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention
-        if name.startswith("mlx_lm.models.") and module is not base and uses_base:
-            setattr(module, "scaled_dot_product_attention", wrapper)  # noqa: B010 - a module global
-            logger.info(
-                "{}: CPU attention with {} softmax over {} streams",
-                name,
-                "a compiled polynomial" if _masked_softmax().compiled else "MLX's",
-                len(_streams()),
-            )
-    return True
+def describe() -> str:
+    """Build the softmax (compiled if the JIT works) and this thread's streams; say which they are."""
+    kind = "a compiled polynomial" if _masked_softmax().compiled else "MLX's"
+    return f"CPU attention with {kind} softmax over {len(_streams())} streams"

@@ -12,7 +12,6 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.utils import load as mlx_lm_load
 
-from semantic.engine import cpu_attention
 from semantic.engine.cache_spec import ModelCacheSpec
 from semantic.engine.default_model import ensure_default_model
 from semantic.engine.registry import DEFAULT_MODEL_SOURCES, model_name_for
@@ -93,7 +92,6 @@ def load_model(
     model, tokenizer = mlx_lm_load(path)  # type: ignore[misc]
     model_dir = Path(path) if Path(path).is_dir() else _hub_snapshot_dir(path)
     mx.eval(model.parameters())
-    cpu_attention.install()
     return LoadedModel(
         name=name or model_name_for(source),
         source=source,

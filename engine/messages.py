@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -75,32 +74,3 @@ class EventChannel:
         self.queue.put_nowait(event)
         if isinstance(event, Finished | BaseException) and not self.done.done():
             self.done.set_result(event)
-
-
-@dataclass(slots=True)
-class Submit:
-    request: GenerationRequest
-    events: EventChannel
-    queued_at: float = field(default_factory=time.monotonic)
-
-
-@dataclass(slots=True)
-class Cancel:
-    request_id: str
-
-
-@dataclass(slots=True)
-class Call:
-    """Run `fn` on the engine thread between steps and post its result to `reply`."""
-
-    fn: object
-    reply: asyncio.Future[object]
-    loop: asyncio.AbstractEventLoop = field(repr=False)
-
-
-@dataclass(slots=True)
-class Shutdown:
-    pass
-
-
-Command = Submit | Cancel | Call | Shutdown

@@ -7,7 +7,7 @@ import dataclasses
 import msgspec
 from aiohttp import web
 
-from semantic.actors.system import ModelLoadError, ModelUnavailableError, SwapReport
+from semantic.actors.models import ModelLoadError, ModelUnavailableError, SwapReport
 from semantic.engine.registry import UnknownModelError
 from semantic.protocols.common import SYSTEM_KEY
 from semantic.protocols.errors import agent_error
@@ -22,7 +22,7 @@ async def load_model(request: web.Request) -> web.Response:
     system = request.app[SYSTEM_KEY]
     try:
         body = msgspec.json.decode(await request.read(), type=LoadModel)
-        entry = system.registry.resolve(body.model) or system.model_entry
+        entry = system.models.registry.resolve(body.model) or system.models.entry
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         return agent_error(400, f"invalid request body: {error}", "invalid_request_error")
     except UnknownModelError as error:
@@ -32,7 +32,7 @@ async def load_model(request: web.Request) -> web.Response:
             400, f"{body.model!r} means the loaded model; none is loaded", "invalid_request_error"
         )
     try:
-        report = await system.swap_model(entry.name)
+        report = await system.models.swap(entry.name)
     except ModelLoadError as error:
         return agent_error(500, str(error), "model_load_error")
     except ModelUnavailableError as error:
@@ -43,8 +43,8 @@ async def load_model(request: web.Request) -> web.Response:
 async def unload_model(request: web.Request) -> web.Response:
     """Flush every agent's cache and drop the model; the next request loads it again."""
     system = request.app[SYSTEM_KEY]
-    report = await system.unload_model()
-    memory = {"active_memory_before_first_load": system.active_memory_before_load}
+    report = await system.models.unload()
+    memory = {"active_memory_before_first_load": system.models.active_memory_before_load}
     return web.json_response({"loaded": False, "swap": _report(report), **memory})
 
 

@@ -39,17 +39,17 @@ async def health_ready(request: web.Request) -> web.Response:
         )
     if not system.engine.is_running:
         return web.json_response({"status": "unavailable", "reason": "engine not running"}, status=503)
-    if system.is_switching:
-        target = system.transition_target
+    if system.models.is_switching:
+        target = system.models.transition_target
         reason = f"switching the model to {target}" if target else "unloading the model"
         return web.json_response({"status": "unavailable", "reason": reason}, status=503)
-    if system.model_entry is None:  # unloaded while idle: the next request loads it again
+    if system.models.entry is None:  # unloaded while idle: the next request loads it again
         return web.json_response({"status": "ok", "model": None, "loaded": False})
-    return web.json_response({"status": "ok", "model": system.model_entry.name, "loaded": True})
+    return web.json_response({"status": "ok", "model": system.models.entry.name, "loaded": True})
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response(openai.model_list(request.app[SYSTEM_KEY]))
+    return web.json_response(openai.model_list(request))
 
 
 def create_app(config: SystemConfig, settings: Settings | None = None) -> web.Application:
@@ -88,7 +88,7 @@ def create_app(config: SystemConfig, settings: Settings | None = None) -> web.Ap
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/admin/models/load", admin.load_model)
     app.router.add_post("/admin/models/unload", admin.unload_model)
-    app.router.add_post("/v1/chat/completions", openai.chat_completions)
+    openai.add_routes(app)
     anthropic.add_routes(app)
     agents.add_routes(app)
     return app

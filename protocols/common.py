@@ -1,20 +1,14 @@
-"""What every protocol handler shares: app keys, settings, model names, SSE, parsed turn events."""
+"""What every protocol handler shares: app keys, JSON bodies, and the SSE writer."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
+import msgspec
 from aiohttp import web
 
 from semantic.actors.system import AgentSystem
 from semantic.config import Settings
-from semantic.engine.engine import RequestStream
-from semantic.engine.loading import LoadedModel
-from semantic.engine.messages import Finished, PromptProgress, PromptStarted, TokenDelta
 from semantic.protocols.guard import Gate
 from semantic.protocols.metrics import Metrics
-from semantic.protocols.reasoning import ReasoningSplitter, ThinkingEnd, ThinkingPart
-from semantic.protocols.tool_parser import ParsedPart, ToolCallParser
 
 SYSTEM_KEY = web.AppKey("system", AgentSystem)
 SETTINGS_KEY = web.AppKey("settings", Settings)
@@ -22,62 +16,59 @@ GATE_KEY = web.AppKey("gate", Gate)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 
 
-async def ready_model(system: AgentSystem, requested: str | None) -> LoadedModel:
-    """The model a request names, once loaded: swapping to it, or reloading after an idle unload.
 
-    Raises UnknownModelError (not configured) or ModelUnavailableError (could not be made ready).
-    """
-    entry = system.registry.resolve(requested)
-    return await system.use_model(entry.name if entry is not None else None)
+def _encode_other(value: object) -> object:
+    if isinstance(value, str):  # str subclasses such as AgentId
+        return str(value)
+    raise NotImplementedError(f"cannot encode {type(value).__name__} as JSON")
 
 
-async def sse_response(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            "Connection": "keep-alive",
-            "X-Accel-Buffering": "no",
-        }
-    )
-    await response.prepare(request)
-    return response
+encode_json = msgspec.json.Encoder(enc_hook=_encode_other).encode
 
 
-TurnEvent = PromptStarted | PromptProgress | ParsedPart | ThinkingPart | ThinkingEnd | Finished
+def json_response(body: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=encode_json(body), content_type="application/json")
 
 
-async def parsed_events(
-    stream: RequestStream,
-    parser: ToolCallParser,
-    prefix: str = "",
-    reasoning: ReasoningSplitter | None = None,
-) -> AsyncIterator[TurnEvent]:
-    """The engine's events with generated text split into reasoning, text and tool-call parts.
+class SseWriter:
+    """One Server-Sent Events response: `text/event-stream`, no caching or proxy buffering."""
 
-    `prefix` is reply text that was written into the prompt (a forced tool call's opening); it is
-    parsed as if generated, right after the prompt starts. `reasoning`, when given, first takes
-    the model's `<think>` block out of the reply.
-    """
+    def __init__(self, request: web.Request, ping_frame: bytes) -> None:
+        self.request = request
+        self.ping_frame = ping_frame
+        self.response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "Connection": "keep-alive",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        self.num_events = 0
 
-    def split(text: str, final: bool = False) -> list[TurnEvent]:
-        pieces = (reasoning.finish() if final else reasoning.feed(text)) if reasoning else [text]
-        parts: list[TurnEvent] = []
-        for piece in pieces:
-            parts += parser.feed(piece) if isinstance(piece, str) else [piece]
-        return parts + (list(parser.finish()) if final else [])
+    @property
+    def is_open(self) -> bool:
+        return self.response.prepared
 
-    async for event in stream:
-        if isinstance(event, TokenDelta):
-            for part in split(event.text):
-                yield part
-        elif isinstance(event, Finished):
-            for part in split("", final=True):
-                yield part
-            yield event
-        elif isinstance(event, PromptStarted):
-            yield event
-            for part in parser.feed(prefix):
-                yield part
-        elif isinstance(event, PromptProgress):
-            yield event
+    async def open(self) -> None:
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+
+    async def event(self, name: str | None, data: object) -> None:
+        """One event: `event: NAME` (when named) and `data: JSON`."""
+        await self.open()
+        head = f"event: {name}\ndata: ".encode() if name else b"data: "
+        await self.response.write(head + encode_json(data) + b"\n\n")
+        self.num_events += 1
+
+    async def raw(self, frame: bytes) -> None:
+        await self.open()
+        await self.response.write(frame)
+
+    async def ping(self) -> None:
+        await self.raw(self.ping_frame)
+
+    async def close(self) -> web.StreamResponse:
+        await self.open()
+        await self.response.write_eof()
+        return self.response

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 
 import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from loguru import logger
+
+from semantic.actors.agent import AgentStoppedError, MailboxFullError
+from semantic.actors.models import ModelUnavailableError
+from semantic.engine.engine import EngineError
+from semantic.engine.registry import UnknownModelError
+from semantic.storage.persistence import PersistenceStoppedError
 
 _encode = msgspec.json.Encoder().encode
 ANTHROPIC_ERROR_TYPES = {
@@ -114,6 +122,49 @@ class RequestTimedOut(ApiError):
     kind = "timeout_error"
 
 
+class NotFound(ApiError):
+    status = 404
+    kind = "not_found_error"
+
+
+class Unavailable(ApiError):
+    """Nothing the client did wrong, and worth retrying: no model ready, a swap, a stopping agent."""
+
+    status = 503
+    kind = "overloaded_error"
+
+
+class InternalError(ApiError):
+    status = 500
+    kind = "api_error"
+
+
+def as_api_error(error: BaseException) -> ApiError:
+    """The one place a failure becomes a status: the same condition gets the same status on every API.
+
+    Bad input is 400 (ValueError and its kin: ids, content, templates, prompt length, sampling);
+    unknown models 404; a full mailbox 429; the model or an agent not available now 503; anything
+    else is our fault: 500, logged with the request id.
+    """
+    match error:
+        case ApiError():
+            return error
+        case UnknownModelError():
+            return NotFound(str(error).strip("'\""))
+        case MailboxFullError():
+            return Overloaded(str(error), headers={"Retry-After": str(error.retry_after_s)})
+        case ModelUnavailableError() | AgentStoppedError() | PersistenceStoppedError() | EngineError():
+            return Unavailable(str(error), headers={"Retry-After": "5"})
+        case msgspec.ValidationError():
+            return ApiError(f"invalid request body: {error}")
+        case msgspec.DecodeError():
+            return ApiError(f"request body is not valid JSON: {error}")
+        case ValueError():
+            return ApiError(str(error))
+    logger.opt(exception=error).error("internal error: {}", error)
+    return InternalError(f"internal error: {type(error).__name__}: {error}")
+
+
 def protocol_of(path: str) -> str:
     if path.startswith("/v1/messages"):
         return "anthropic"
@@ -148,8 +199,6 @@ async def errors_in_protocol_shape(request: web.Request, handler: Handler) -> we
     """ApiErrors and aiohttp's own errors (404, 405, 413) in the error shape of the API called."""
     try:
         return await handler(request)
-    except ApiError as error:
-        return api_error_response(request.path, error)
     except web.HTTPException as error:
         if error.status < 400:
             raise
@@ -161,3 +210,7 @@ async def errors_in_protocol_shape(request: web.Request, handler: Handler) -> we
         return error_response(
             request.path, error.status, message, "http_error" if error.status != 413 else "request_too_large"
         )
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as error:
+        return api_error_response(request.path, as_api_error(error))

@@ -106,7 +106,7 @@ class _SystemCollector(Collector):
         yield CounterMetricFamily(
             "semantic_evictions", "Agent caches evicted from memory", stats.num_evictions
         )
-        persistence = self.system.persistence
+        persistence = self.system.models.persistence
         loads = persistence.num_loads if persistence else 0
         yield CounterMetricFamily("semantic_cache_loads", "Agent caches loaded from disk", loads)
         if persistence is not None:
@@ -116,7 +116,7 @@ class _SystemCollector(Collector):
                 count_value=persistence.num_writes,
                 sum_value=persistence.write_seconds_total,
             )
-        swaps = self.system.swap_history
+        swaps = self.system.models.swap_history
         yield SummaryMetricFamily(
             "semantic_model_swap_duration_seconds",
             "Model transitions (swap, unload, reload)",

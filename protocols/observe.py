@@ -21,7 +21,7 @@ from loguru import logger
 from semantic.engine.engine import RequestStream
 from semantic.engine.messages import Event, Finished, PromptStarted, TokenDelta
 from semantic.protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY
-from semantic.protocols.errors import ApiError, RequestTimedOut, protocol_of
+from semantic.protocols.errors import ApiError, RequestTimedOut, as_api_error, protocol_of
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -106,10 +106,12 @@ def watch(request: web.Request, stream: RequestStream) -> RequestStream:
             metrics.cache_lookups.labels(event.cache_tier).inc()
             metrics.prompt_tokens.labels("reused").inc(event.num_cached_tokens)
             metrics.prompt_tokens.labels("prefilled").inc(event.num_prompt_tokens - event.num_cached_tokens)
-        elif isinstance(event, TokenDelta) and record.first_token_at is None:
-            record.first_token_at = now
-            record.ttft_s = now - record.started
-            metrics.ttft.labels(record.protocol).observe(record.ttft_s)
+        elif isinstance(event, TokenDelta):
+            record.num_generated_tokens += len(event.token_ids)  # counted as they come: a client may leave
+            if record.first_token_at is None:
+                record.first_token_at = now
+                record.ttft_s = now - record.started
+                metrics.ttft.labels(record.protocol).observe(record.ttft_s)
         elif isinstance(event, Finished):
             record.num_generated_tokens = event.num_generated_tokens
             metrics.generated.inc(event.num_generated_tokens)
@@ -152,17 +154,20 @@ async def observed(request: web.Request, handler: Handler) -> web.StreamResponse
         response = await handler(request)
         status = response.status
         return response
-    except ApiError as error:
-        status = error.status
-        record.outcome = error.kind
-        raise
     except web.HTTPException as error:
         status = error.status
         raise
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ConnectionResetError):
         record.outcome = "client disconnected"
         status = 499
         raise
+    except Exception as error:
+        api_error = as_api_error(error)
+        status = api_error.status
+        record.outcome = api_error.kind
+        if api_error is error:
+            raise
+        raise api_error from error
     finally:
         if record.timeout is not None:
             record.timeout.cancel()

@@ -1,4 +1,8 @@
-"""OpenAI chat completions: `POST /v1/chat/completions`, streamed (SSE) or not."""
+"""OpenAI chat completions: `POST /v1/chat/completions`, streamed (SSE) or not, and `/v1/models`.
+
+The handler parses the body into a turn (`openai_wire`) and renders the turn's events as
+completion chunks or one completion; the pipeline does the rest.
+"""
 
 from __future__ import annotations
 
@@ -10,104 +14,25 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 
-from semantic.actors.agent import AgentStoppedError, MailboxFullError
-from semantic.actors.identity import InvalidAgentIdError, agent_id_from
-from semantic.actors.system import ModelUnavailableError
-from semantic.config import Settings
-from semantic.engine.chat_format import ChatFormat, ChatTemplateError
-from semantic.engine.chat_format import ChatMessage as TemplateMessage
-from semantic.engine.engine import ModelChangedError, PromptTooLongError
+from semantic.actors.agent_id import agent_id_from
+from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.engine.messages import Finished, FinishReason, PromptStarted
-from semantic.engine.registry import UnknownModelError
-from semantic.engine.sampling import SamplingParams
-from semantic.protocols.common import (
-    SETTINGS_KEY,
-    SYSTEM_KEY,
-    parsed_events,
-    ready_model,
-    sse_response,
-)
+from semantic.protocols.common import SYSTEM_KEY, SseWriter
 from semantic.protocols.errors import ApiError, OpenAIError, OpenAIErrorDetail
-from semantic.protocols.errors import openai_error as error_response
-from semantic.protocols.observe import admit, check_bounds, watch
-from semantic.protocols.reasoning import ReasoningSplitter, ThinkingPart, prompt_opens_thinking
-from semantic.protocols.tool_parser import (
-    TextPart,
-    ToolArgumentsDelta,
-    ToolCallEnd,
-    ToolCallParser,
-    ToolCallStart,
+from semantic.protocols.openai_wire import (
+    ChatCompletionRequest,
+    FunctionCall,
+    ToolCall,
+    decode_request,
+    to_chat_messages,
+    tool_choice,
 )
+from semantic.protocols.pipeline import TurnEvent, TurnReply, answer_turn, sampling_params
+from semantic.protocols.reasoning import ThinkingPart
+from semantic.protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallStart
 
 _FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
-
-
-class ContentPart(msgspec.Struct):
-    type: str
-    text: str | None = None
-
-
-class FunctionCall(msgspec.Struct):
-    name: str
-    arguments: str = "{}"
-
-
-class ToolCall(msgspec.Struct):
-    id: str
-    function: FunctionCall
-    type: str = "function"
-
-
-class ChatMessage(msgspec.Struct):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-
-
-class FunctionSpec(msgspec.Struct):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
-
-
-class ToolSpec(msgspec.Struct):
-    function: FunctionSpec
-    type: str = "function"
-
-
-class NamedFunction(msgspec.Struct):
-    name: str
-
-
-class NamedToolChoice(msgspec.Struct):
-    function: NamedFunction
-    type: str = "function"
-
-
-class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
-
-
-class ChatCompletionRequest(msgspec.Struct):
-    messages: list[ChatMessage]
-    model: str = "default"
-    stream: bool = False
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = 1
-    session_id: str | None = None
-    stream_options: StreamOptions | None = None
-    tools: list[ToolSpec] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    # vLLM's extension: the final assistant message is a prefill the reply continues.
-    continue_final_message: bool = False
+PING_FRAME = b": ping\n\n"
 
 
 class PromptTokensDetails(msgspec.Struct):
@@ -177,65 +102,51 @@ class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
 
 
-_decode_request = msgspec.json.Decoder(ChatCompletionRequest).decode
-_encode = msgspec.json.Encoder().encode
-
-
-def _text_of(message: ChatMessage) -> str:
-    if message.content is None or isinstance(message.content, str):
-        return message.content or ""
-    return "".join(part.text or "" for part in message.content if part.type == "text")
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def to_chat_messages(messages: list[ChatMessage]) -> list[TemplateMessage]:
-    chat: list[TemplateMessage] = []
-    for message in messages:
-        entry: TemplateMessage = {"role": message.role, "content": _text_of(message)}
-        if message.tool_calls:
-            entry["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {
-                        "name": call.function.name,
-                        "arguments": _arguments(call.function.arguments),
-                    },
-                }
-                for call in message.tool_calls
-            ]
-        if message.tool_call_id is not None:
-            entry["tool_call_id"] = message.tool_call_id
-        chat.append(entry)
-    return chat
-
-
-def _forced_prefix(body: ChatCompletionRequest, chat: ChatFormat) -> str:
-    if not body.tools or body.tool_choice in (None, "auto", "none"):
-        return ""
-    if isinstance(body.tool_choice, NamedToolChoice):
-        return chat.forced_call_prefix(body.tool_choice.function.name)
-    names = [tool.function.name for tool in body.tools]
-    return chat.forced_call_prefix(names[0] if len(names) == 1 else None)
-
-
-def _sampling(body: ChatCompletionRequest, settings: Settings) -> SamplingParams:
+def to_turn(request: web.Request, body: ChatCompletionRequest) -> TurnRequest:
+    if body.n != 1:
+        raise ApiError(f"n={body.n} is not supported; only n=1")
+    if not body.messages:
+        raise ApiError("messages must not be empty")
+    messages = to_chat_messages(body.messages)
+    prefill = ""
+    if body.continue_final_message:
+        if messages[-1]["role"] != "assistant" or not isinstance(messages[-1].get("content"), str):
+            raise ApiError("continue_final_message needs a final assistant message with text content")
+        prefill = messages.pop()["content"]
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    max_tokens = body.max_completion_tokens or body.max_tokens or settings.model.default_max_tokens
-    return SamplingParams(
-        temperature=settings.model.temperature if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    sampling = sampling_params(
+        request,
+        temperature=body.temperature,
         max_tokens=max_tokens,
+        top_p=body.top_p,
+        top_k=body.top_k,
         stop=stop,
         seed=body.seed,
     )
+    return TurnRequest(
+        request_id=f"chatcmpl-{uuid.uuid4().hex}",
+        agent_id=agent_id_from(request.headers, body.session_id),
+        messages=messages,
+        sampling=sampling,
+        model=body.model,
+        tools=[msgspec.to_builtins(tool) for tool in body.tools] if body.tools else None,
+        tool_choice=tool_choice(body),
+        prefill=prefill,
+    )
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = decode_request(await request.read())
+    turn = to_turn(request, body)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def reply(started: TurnStarted, sse: SseWriter | None) -> TurnReply:
+        if sse is None:
+            return CompletionReply(started, turn.request_id)
+        return CompletionStream(started, turn.request_id, sse, include_usage)
+
+    return await answer_turn(request, turn, body.stream, reply, PING_FRAME)
 
 
 def _usage(finished: Finished) -> Usage:
@@ -251,139 +162,102 @@ def _finish_reason(finished: Finished, called_tool: bool) -> str:
     return "tool_calls" if called_tool else _FINISH_REASONS[finished.reason]
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    system = request.app[SYSTEM_KEY]
-    settings = request.app[SETTINGS_KEY]
-    try:
-        body = _decode_request(await request.read())
-    except msgspec.ValidationError as error:
-        return error_response(400, f"invalid request body: {error}")
-    except msgspec.DecodeError as error:
-        return error_response(400, f"request body is not valid JSON: {error}")
-    if body.n != 1:
-        return error_response(400, f"n={body.n} is not supported; only n=1", param="n")
-    if not body.messages:
-        return error_response(400, "messages must not be empty", param="messages")
-    check_bounds(
-        request,
-        max_tokens=body.max_completion_tokens or body.max_tokens,
-        num_messages=len(body.messages),
-        num_tools=len(body.tools or ()),
-    )
-    try:
-        model = await ready_model(system, body.model)
-    except UnknownModelError as error:
-        return error_response(404, str(error), kind="model_not_found", param="model")
-    except ModelUnavailableError as error:
-        return error_response(503, str(error), kind="server_error", param="model")
-    model_name = model.name
-    try:
-        agent_id = agent_id_from(request.headers, body.session_id)
-        sampling = _sampling(body, settings)
-    except (InvalidAgentIdError, ValueError) as error:
-        return error_response(400, str(error))
-    chat = system.chat_format
-    tools = [msgspec.to_builtins(tool) for tool in body.tools] if body.tools else None
-    prefix = _forced_prefix(body, chat)
-    try:
-        messages = to_chat_messages(body.messages)
-        prefill = ""
-        if body.continue_final_message:
-            if messages[-1]["role"] != "assistant" or not isinstance(messages[-1].get("content"), str):
-                raise ApiError("continue_final_message needs a final assistant message with text content")
-            prefill = messages.pop()["content"]
-        text = chat.render(messages, tools) + prefill + prefix
-        prompt = chat.encode(text)
-        reasoning = None if prefix else ReasoningSplitter(inside=prompt_opens_thinking(text))
-        check_bounds(request, num_prompt_tokens=len(prompt))
-        admit(request, agent_id)
-        stream = watch(
-            request, await system.generate(agent_id, prompt, sampling, model_fingerprint=model.fingerprint)
-        )
-    except (ChatTemplateError, PromptTooLongError) as error:
-        return error_response(400, str(error), param="messages")
-    except (ModelUnavailableError, ModelChangedError) as error:
-        return error_response(503, str(error), kind="server_error")
-    except MailboxFullError as error:
-        return error_response(429, str(error), kind="rate_limit_exceeded")
-    except AgentStoppedError as error:
-        return error_response(503, str(error), kind="server_error")
-    parser = ToolCallParser(enabled=tools is not None and body.tool_choice != "none")
-    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    if not body.stream:
-        texts: list[str] = []
-        thinking: list[str] = []
-        calls: list[ToolCall] = []
-        finished: Finished | None = None
-        try:
-            async for event in parsed_events(stream, parser, prefix, reasoning):
-                if isinstance(event, ThinkingPart):
-                    thinking.append(event.text)
-                elif isinstance(event, TextPart):
-                    texts.append(event.text)
-                elif isinstance(event, ToolCallEnd):
-                    calls.append(ToolCall(_call_id(), FunctionCall(event.name, json.dumps(event.arguments))))
-                elif isinstance(event, Finished):
-                    finished = event
-        except ValueError as error:
-            return error_response(400, str(error))
-        except ApiError:
-            raise
-        except Exception as error:
-            return error_response(500, f"generation failed: {error}", kind="server_error")
-        assert finished is not None, "stream ended without Finished: engine bug"
-        text = "".join(texts)
-        message = AssistantMessage(
-            "assistant", text if text.strip() or not calls else None, calls or None, "".join(thinking) or None
-        )
-        choice = Choice(0, message, _finish_reason(finished, bool(calls)))
-        completion = ChatCompletion(completion_id, created, model_name, [choice], _usage(finished))
-        return web.Response(body=_encode(completion), content_type="application/json")
-
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    response = await sse_response(request)
-
-    async def send(delta: Delta | None, finish_reason: str | None = None, usage: Usage | None = None) -> None:
-        choices = [] if delta is None else [ChunkChoice(0, delta, finish_reason)]
-        chunk = ChatCompletionChunk(completion_id, created, model_name, choices, usage=usage)
-        await response.write(b"data: " + _encode(chunk) + b"\n\n")
-
-    num_calls = 0
-    try:
-        async for event in parsed_events(stream, parser, prefix, reasoning):
-            match event:
-                case PromptStarted():
-                    await send(Delta(role="assistant", content=""))
-                case ThinkingPart(text=text) if text:
-                    await send(Delta(reasoning_content=text))
-                case TextPart(text=text) if text:
-                    await send(Delta(content=text))
-                case ToolCallStart(index=index, name=name):
-                    num_calls += 1
-                    call = ToolCallDelta(index, FunctionDelta(name=name), id=_call_id(), type="function")
-                    await send(Delta(tool_calls=[call]))
-                case ToolArgumentsDelta(index=index, json_text=json_text):
-                    await send(Delta(tool_calls=[ToolCallDelta(index, FunctionDelta(arguments=json_text))]))
-                case Finished():
-                    await send(Delta(), _finish_reason(event, num_calls > 0))
-                    if include_usage:
-                        await send(None, usage=_usage(event))
-        await response.write(b"data: [DONE]\n\n")
-    except Exception as error:  # the stream has started: report in-band, then end it
-        detail = OpenAIError(OpenAIErrorDetail(message=str(error), type="server_error"))
-        await response.write(b"data: " + _encode(detail) + b"\n\n")
-    await response.write_eof()
-    return response
-
-
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def model_list(system: Any) -> dict[str, Any]:
+class CompletionReply:
+    """A non-streaming reply: one chat.completion."""
+
+    def __init__(self, started: TurnStarted, completion_id: str) -> None:
+        self.started = started
+        self.completion_id = completion_id
+        self.texts: list[str] = []
+        self.thinking: list[str] = []
+        self.calls: list[ToolCall] = []
+        self.finished: Finished | None = None
+
+    async def event(self, event: TurnEvent) -> None:
+        match event:
+            case ThinkingPart(text=text):
+                self.thinking.append(text)
+            case TextPart(text=text):
+                self.texts.append(text)
+            case ToolCallEnd(name=name, arguments=arguments):
+                self.calls.append(ToolCall(_call_id(), FunctionCall(name, json.dumps(arguments))))
+            case Finished():
+                self.finished = event
+
+    async def error(self, error: ApiError) -> None:
+        raise error
+
+    def body(self) -> ChatCompletion:
+        finished = self.finished
+        assert finished is not None, "turn ended without Finished: pipeline bug"
+        text, calls = "".join(self.texts), self.calls
+        message = AssistantMessage(
+            "assistant",
+            text if text.strip() or not calls else None,
+            calls or None,
+            "".join(self.thinking) or None,
+        )
+        choice = Choice(0, message, _finish_reason(finished, bool(calls)))
+        return ChatCompletion(
+            self.completion_id, int(time.time()), self.started.model_name, [choice], _usage(finished)
+        )
+
+
+class CompletionStream:
+    """A streaming reply: chat.completion.chunk deltas, a usage chunk on request, then [DONE]."""
+
+    def __init__(self, started: TurnStarted, completion_id: str, sse: SseWriter, include_usage: bool) -> None:
+        self.started = started
+        self.completion_id = completion_id
+        self.sse = sse
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.num_calls = 0
+
+    async def event(self, event: TurnEvent) -> None:
+        match event:
+            case PromptStarted():
+                await self._send(Delta(role="assistant", content=""))
+            case ThinkingPart(text=text) if text:
+                await self._send(Delta(reasoning_content=text))
+            case TextPart(text=text) if text:
+                await self._send(Delta(content=text))
+            case ToolCallStart(index=index, name=name):
+                self.num_calls += 1
+                call = ToolCallDelta(index, FunctionDelta(name=name), id=_call_id(), type="function")
+                await self._send(Delta(tool_calls=[call]))
+            case ToolArgumentsDelta(index=index, json_text=json_text):
+                await self._send(Delta(tool_calls=[ToolCallDelta(index, FunctionDelta(arguments=json_text))]))
+            case Finished():
+                await self._send(Delta(), _finish_reason(event, self.num_calls > 0))
+                if self.include_usage:
+                    await self._send(None, usage=_usage(event))
+                await self.sse.raw(b"data: [DONE]\n\n")
+
+    async def error(self, error: ApiError) -> None:
+        await self.sse.event(None, OpenAIError(OpenAIErrorDetail(message=str(error), type=error.kind)))
+
+    def body(self) -> object:
+        raise AssertionError("a streamed reply has no body: pipeline bug")
+
+    async def _send(
+        self, delta: Delta | None, finish_reason: str | None = None, usage: Usage | None = None
+    ) -> None:
+        choices = [] if delta is None else [ChunkChoice(0, delta, finish_reason)]
+        chunk = ChatCompletionChunk(
+            self.completion_id, self.created, self.started.model_name, choices, usage=usage
+        )
+        await self.sse.event(None, chunk)
+
+
+def model_list(request: web.Request) -> dict[str, Any]:
     """Configured models in the shape both OpenAI's and Anthropic's SDKs read, with what is loaded."""
-    loaded = system.model_entry
+    models = request.app[SYSTEM_KEY].models
+    loaded = models.entry
     data = [
         {
             "id": entry.name,
@@ -397,7 +271,7 @@ def model_list(system: Any) -> dict[str, Any]:
             "aliases": list(entry.aliases),
             "loaded": entry == loaded,
         }
-        for entry in system.registry.entries
+        for entry in models.registry.entries
     ]
     return {
         "object": "list",
@@ -405,5 +279,9 @@ def model_list(system: Any) -> dict[str, Any]:
         "has_more": False,
         "first_id": data[0]["id"],
         "last_id": data[-1]["id"],
-        "loaded_model_aliases": system.registry.loaded_aliases,
+        "loaded_model_aliases": models.registry.loaded_aliases,
     }
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)

@@ -15,8 +15,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from semantic.actors.system import AgentSystem, SystemConfig
-from semantic.engine.engine import EngineConfig
+from semantic import AgentSystem, EngineConfig, SystemConfig
 
 
 async def turns(config: SystemConfig, questions: list[str], max_tokens: int) -> list[dict[str, object]]:

@@ -167,6 +167,7 @@ def _system_config(settings: Settings) -> SystemConfig:
         model_aliases=settings.model.aliases,
         idle_unload_s=settings.model.idle_unload_s,
         swap_drain_timeout_s=settings.model.swap_drain_timeout_s,
+        max_prompt_tokens=settings.limits.max_prompt_tokens,
     )
 
 
@@ -273,20 +274,17 @@ def show_config(args: argparse.Namespace) -> None:
 
 
 async def _generate(args: argparse.Namespace, settings: Settings) -> None:
-    from semantic.actors.system import AgentSystem
+    from semantic import AgentId, AgentSystem, SamplingParams, TurnRequest
     from semantic.engine.messages import TokenDelta
-    from semantic.engine.sampling import SamplingParams
 
     system = AgentSystem(_system_config(settings))
     await system.start()
     try:
-        tokenizer = system.engine.model.tokenizer
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
-        )
         sampling = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-        stream = await system.generate(args.agent, prompt, sampling)
-        async for event in stream:
+        agent = AgentId(args.agent) if args.agent else None
+        turn = TurnRequest("generate", agent, [{"role": "user", "content": args.prompt}], sampling)
+        started = await system.start_turn(turn)
+        async for event in started.stream:
             if isinstance(event, TokenDelta):
                 sys.stdout.write(event.text)
                 sys.stdout.flush()

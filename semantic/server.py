@@ -18,6 +18,7 @@ from loguru import logger
 
 from semantic.actors.system import SystemConfig
 from semantic.config import Settings
+from semantic.engine.commands import Drain
 from semantic.protocols.app import create_app
 from semantic.protocols.common import GATE_KEY, SYSTEM_KEY
 
@@ -51,7 +52,7 @@ async def serve_until_signalled(config: SystemConfig, settings: Settings) -> int
     gate.is_shutting_down = True
     timeout_s = settings.server.shutdown_timeout_s
     if system.engine.loaded is not None:
-        num_cancelled = await system.engine.drain(timeout_s, "the server is shutting down")
+        num_cancelled = await system.engine.ask(Drain(timeout_s, "the server is shutting down"))
         if num_cancelled:
             logger.warning("cancelled {} requests still running after {:g} s", num_cancelled, timeout_s)
     deadline = time.monotonic() + HANDLER_GRACE_S

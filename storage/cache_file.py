@@ -1,6 +1,6 @@
 """One agent's cache as a safetensors file: tokens, per-layer K/V, and metadata that proves it fits.
 
-Conversion between MLX and numpy happens on the engine thread (`to_tensors`/`from_tensors`);
+Conversion between MLX and numpy happens on the engine thread (`semantic.engine.cache_tensors`);
 reading and writing bytes happens in a worker thread (`write_cache_file`/`read_cache_file`).
 """
 
@@ -9,20 +9,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from semantic.engine.agent_cache import CacheSnapshot
+from semantic.engine.cache_tensors import SerializedCache
 
 FORMAT_VERSION = "1"
-_STORAGE_VIEW = {2: (mx.uint16, np.uint16), 4: (mx.uint32, np.uint32), 1: (mx.uint8, np.uint8)}
 
 
 class CacheFileError(ValueError):
@@ -35,64 +34,7 @@ class CacheIdentity:
     fingerprint: str
     block_size: int
     spec: dict[str, Any]
-
-
-@dataclass(slots=True)
-class SerializedCache:
-    agent_id: str
-    tensors: dict[str, np.ndarray]
-    sliding_meta: list[list[int]]
-    num_tokens: int
-
-
-def _to_numpy(array: mx.array) -> np.ndarray:
-    mx_view, _ = _STORAGE_VIEW[array.dtype.size]
-    return np.array(array.view(mx_view), copy=False)
-
-
-def _from_numpy(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
-    return mx.array(array).view(dtype)
-
-
-def to_tensors(snapshot: CacheSnapshot) -> SerializedCache:
-    """Engine thread: evaluate and copy a snapshot into numpy arrays."""
-    arrays: dict[str, mx.array] = {"tokens": mx.array(snapshot.token_ids, dtype=mx.int32)}
-    for i, (keys, values) in enumerate(snapshot.full_layers):
-        if keys is not None and values is not None:
-            arrays[f"full.{i}.keys"], arrays[f"full.{i}.values"] = keys, values
-    sliding_meta = []
-    for i, state in enumerate(snapshot.sliding_layers):
-        keys, values, offset, keep, max_size, idx = state
-        arrays[f"sliding.{i}.keys"], arrays[f"sliding.{i}.values"] = keys, values
-        sliding_meta.append([int(offset), int(keep), int(max_size), int(idx)])
-    mx.eval(list(arrays.values()))
-    tensors = {name: _to_numpy(array) for name, array in arrays.items()}
-    tensors["tokens"] = np.array(snapshot.token_ids, dtype=np.int32)
-    return SerializedCache(snapshot.agent_id, tensors, sliding_meta, len(snapshot.token_ids))
-
-
-def from_tensors(cache: SerializedCache, dtype: str, num_full: int, num_sliding: int) -> CacheSnapshot:
-    """Engine thread: rebuild MLX arrays from a file's tensors."""
-    mx_dtype = getattr(mx, dtype)
-    tensors = cache.tensors
-    full_layers: list[Any] = []
-    for i in range(num_full):
-        if f"full.{i}.keys" in tensors:
-            full_layers.append(
-                (
-                    _from_numpy(tensors[f"full.{i}.keys"], mx_dtype),
-                    _from_numpy(tensors[f"full.{i}.values"], mx_dtype),
-                )
-            )
-        else:
-            full_layers.append((None, None))
-    sliding_layers = []
-    for i in range(num_sliding):
-        offset, keep, max_size, idx = cache.sliding_meta[i]
-        keys = _from_numpy(tensors[f"sliding.{i}.keys"], mx_dtype)
-        values = _from_numpy(tensors[f"sliding.{i}.values"], mx_dtype)
-        sliding_layers.append((keys, values, offset, keep, max_size, idx))
-    return CacheSnapshot(cache.agent_id, tensors["tokens"].tolist(), full_layers, sliding_layers)
+    vocab_size: int = 0  # token ids read from disk must be below it (0: unchecked)
 
 
 def _checksum(tensors: dict[str, np.ndarray]) -> str:
@@ -139,7 +81,20 @@ def write_cache_file(path: Path, cache: SerializedCache, identity: CacheIdentity
     return path.stat().st_size
 
 
-def read_cache_file(path: Path, identity: CacheIdentity) -> SerializedCache:
+def read_num_tokens(path: Path) -> int:
+    """The token count a cache file's header states (0 if unreadable): for listings, no tensors read."""
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > 1 << 24:
+                return 0
+            header = json.loads(f.read(header_len))
+        return int(header.get("__metadata__", {}).get("num_tokens", 0))
+    except (OSError, ValueError, struct.error, AttributeError):
+        return 0
+
+
+def read_cache_file(path: Path, identity: CacheIdentity, agent_id: str | None = None) -> SerializedCache:
     """Worker thread: read and verify; raises CacheFileError when the file must not be used."""
     try:
         from safetensors import safe_open
@@ -160,6 +115,16 @@ def read_cache_file(path: Path, identity: CacheIdentity) -> SerializedCache:
         raise CacheFileError("cache spec differs from the loaded model's")
     if metadata.get("checksum") != _checksum(tensors):
         raise CacheFileError("checksum mismatch: the file is corrupt")
-    return SerializedCache(
-        metadata["agent_id"], tensors, json.loads(metadata["sliding_meta"]), int(metadata["num_tokens"])
-    )
+    if agent_id is not None and metadata.get("agent_id") != agent_id:
+        raise CacheFileError(f"written for agent {metadata.get('agent_id')!r}, not {agent_id!r}")
+    tokens = tensors.get("tokens")
+    try:
+        num_tokens = int(metadata["num_tokens"])
+        sliding_meta = json.loads(metadata["sliding_meta"])
+    except (KeyError, ValueError) as error:
+        raise CacheFileError(f"bad metadata: {error}") from error
+    if tokens is None or tokens.ndim != 1 or len(tokens) != num_tokens:
+        raise CacheFileError("token list missing or not as long as the metadata says")
+    if len(tokens) and (tokens.min() < 0 or (identity.vocab_size and tokens.max() >= identity.vocab_size)):
+        raise CacheFileError(f"token ids outside the vocabulary (0..{identity.vocab_size - 1})")
+    return SerializedCache(metadata["agent_id"], tensors, sliding_meta, num_tokens)

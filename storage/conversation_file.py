@@ -13,6 +13,10 @@ import msgspec
 from semantic.storage.cache_file import replace_atomically
 
 
+class ConversationFileError(ValueError):
+    """The record cannot be used: truncated, not ours, or token ids the model does not have."""
+
+
 class ConversationRecord(msgspec.Struct):
     system: str | None = None
     token_ids: list[int] = msgspec.field(default_factory=list)
@@ -25,13 +29,23 @@ _encode = msgspec.json.Encoder().encode
 
 
 def write_conversation(path: Path, record: ConversationRecord) -> None:
+    """Worker thread: write through a temp file, fsync, rename (raises OSError on failure)."""
     data = _encode(record)
     replace_atomically(path, lambda tmp: tmp.write_bytes(data))
 
 
-def read_conversation(path: Path) -> ConversationRecord | None:
-    """The record, or None when there is none or it cannot be read."""
+def read_conversation(path: Path, vocab_size: int = 0) -> ConversationRecord | None:
+    """Worker thread: the record, None when there is none; ConversationFileError when it is bad."""
     try:
-        return _decode(path.read_bytes())
-    except (FileNotFoundError, msgspec.DecodeError):
+        data = path.read_bytes()
+    except FileNotFoundError:
         return None
+    try:
+        record = _decode(data)
+    except msgspec.DecodeError as error:
+        raise ConversationFileError(f"unreadable conversation record: {error}") from error
+    if record.token_ids and (
+        min(record.token_ids) < 0 or (vocab_size and max(record.token_ids) >= vocab_size)
+    ):
+        raise ConversationFileError(f"token ids outside the vocabulary (0..{vocab_size - 1})")
+    return record

@@ -1,7 +1,10 @@
-"""The persistence actor: agents' caches to and from disk, one file per agent per model.
+"""The persistence actor: agents' caches and conversations to and from disk, one model's folder.
 
-A single worker thread is its mailbox, so writes and reads happen in order, never on the engine
-thread and never on the event loop. Files that cannot be used are moved to `quarantine/`.
+A real actor: callers send named messages to its mailbox and await the reply; one task handles
+them in order and alone owns the index of what is on disk; blocking file I/O runs in the one
+worker thread it owns, never on the event loop or the engine thread. File names are built only
+from validated `AgentId`s and every path is checked to stay inside the model's folder. Files that
+cannot be used are moved to `quarantine/` with a log line.
 """
 
 from __future__ import annotations
@@ -9,135 +12,301 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from loguru import logger
 
+from semantic.actors.agent_id import AgentId, InvalidAgentIdError
+from semantic.engine.cache_tensors import SerializedCache
 from semantic.storage.cache_file import (
     CacheFileError,
     CacheIdentity,
-    SerializedCache,
     read_cache_file,
+    read_num_tokens,
     write_cache_file,
 )
-from semantic.storage.conversation_file import ConversationRecord, read_conversation, write_conversation
+from semantic.storage.conversation_file import (
+    ConversationFileError,
+    ConversationRecord,
+    read_conversation,
+    write_conversation,
+)
 
 SUFFIX = ".safetensors"
 CONVERSATION_SUFFIX = ".conversation.json"
-T = TypeVar("T")
+
+
+class PersistenceStoppedError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class DiskEntry:
+    """What the agents' folder holds for one agent."""
+
+    num_cached_tokens: int = 0  # 0 when there is no cache file
+    has_cache: bool = False
+    has_conversation: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SaveCaches:
+    caches: list[SerializedCache]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadCache:
+    agent_id: AgentId
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteAgent:
+    agent_id: AgentId
+
+
+@dataclass(frozen=True, slots=True)
+class SaveConversation:
+    agent_id: AgentId
+    record: ConversationRecord
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConversation:
+    agent_id: AgentId
+
+
+@dataclass(frozen=True, slots=True)
+class ListOnDisk:
+    only: AgentId | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StopPersistence:
+    pass
+
+
+PersistenceMessage = (
+    SaveCaches | LoadCache | DeleteAgent | SaveConversation | LoadConversation | ListOnDisk | StopPersistence
+)
 
 
 class PersistenceActor:
     def __init__(self, cache_dir: Path, identity: CacheIdentity) -> None:
         self.identity = identity
-        self.agents_dir = cache_dir / "agents" / identity.fingerprint[:16]
-        self.quarantine_dir = cache_dir / "quarantine"
+        self.agents_dir = (cache_dir / "agents" / identity.fingerprint[:16]).resolve()
+        self.quarantine_dir = (cache_dir / "quarantine").resolve()
+        self._mailbox: asyncio.Queue[tuple[PersistenceMessage, asyncio.Future[Any]]] = asyncio.Queue()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semantic-persist")
-        self._on_disk: set[str] = set()
-        self._conversations: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._index: dict[AgentId, DiskEntry] = {}  # owned by the actor's task
         self.num_writes = 0
         self.num_loads = 0
         self.num_quarantined = 0
         self.last_write_s = 0.0
         self.write_seconds_total = 0.0
 
+    # ---- the asking side ----
+
     async def start(self) -> None:
-        self._on_disk = await self._run(self._scan, SUFFIX)
-        self._conversations = await self._run(self._scan, CONVERSATION_SUFFIX)
+        self._index = await self._io(self._scan)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="semantic-persistence")
 
     async def stop(self) -> None:
+        """Handle what is queued, then stop; later asks fail with PersistenceStoppedError."""
+        if self._task is not None:
+            await self._ask(StopPersistence())
+            await self._task
+            self._task = None
         await asyncio.to_thread(self._executor.shutdown, wait=True)
 
-    def path_for(self, agent_id: str) -> Path:
-        return self.agents_dir / f"{agent_id}{SUFFIX}"
-
-    def is_on_disk(self, agent_id: str) -> bool:
-        return agent_id in self._on_disk
-
-    @property
-    def agent_ids_on_disk(self) -> set[str]:
-        """Agents with a cache file or a kept conversation on disk."""
-        return self._on_disk | self._conversations
-
-    async def save(self, caches: list[SerializedCache]) -> list[str]:
-        """Write caches; returns the agent ids written. A failed write is logged and leaves no file."""
-        written = []
-        for cache in caches:
-            try:
-                seconds = await self._run(self._write, cache)
-            except OSError as error:
-                logger.error("could not write the cache of agent {}: {}", cache.agent_id, error)
-                continue
-            self._on_disk.add(cache.agent_id)
-            written.append(cache.agent_id)
-            self.last_write_s = seconds
-            self.write_seconds_total += seconds
+    async def save(self, caches: list[SerializedCache]) -> list[AgentId]:
+        """Write caches; returns the agents written. A failed write is logged and leaves no file."""
+        written: list[AgentId] = await self._ask(SaveCaches(caches))
         return written
 
-    async def load(self, agent_id: str) -> SerializedCache | None:
-        """Read an agent's cache; a bad file is quarantined and None returned (start cold)."""
-        if agent_id not in self._on_disk:
-            return None
+    async def load(self, agent_id: AgentId) -> SerializedCache | None:
+        """An agent's cache, or None when it has none or its file was bad (quarantined: start cold)."""
+        cache: SerializedCache | None = await self._ask(LoadCache(agent_id))
+        return cache
+
+    async def delete(self, agent_id: AgentId) -> None:
+        await self._ask(DeleteAgent(agent_id))
+
+    async def save_conversation(self, agent_id: AgentId, record: ConversationRecord) -> None:
+        """Write and fsync the record; raises OSError if it could not be written."""
+        await self._ask(SaveConversation(agent_id, record))
+
+    async def load_conversation(self, agent_id: AgentId) -> ConversationRecord | None:
+        record: ConversationRecord | None = await self._ask(LoadConversation(agent_id))
+        return record
+
+    async def on_disk(self, only: AgentId | None = None) -> dict[AgentId, DiskEntry]:
+        """What is on disk, for every agent or just `only`."""
+        entries: dict[AgentId, DiskEntry] = await self._ask(ListOnDisk(only))
+        return entries
+
+    def path_for(self, agent_id: AgentId) -> Path:
+        return self._inside(f"{AgentId(agent_id)}{SUFFIX}")
+
+    def conversation_path_for(self, agent_id: AgentId) -> Path:
+        return self._inside(f"{AgentId(agent_id)}{CONVERSATION_SUFFIX}")
+
+    def _inside(self, name: str) -> Path:
+        path = (self.agents_dir / name).resolve()
+        if path.parent != self.agents_dir:
+            raise InvalidAgentIdError(f"{name!r} would leave the cache folder")
+        return path
+
+    async def _ask(self, message: PersistenceMessage) -> Any:
+        if self._task is None or self._task.done():
+            raise PersistenceStoppedError("the persistence actor is not running")
+        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._mailbox.put_nowait((message, reply))
+        return await reply
+
+    async def _io(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # ---- the actor's task: the only code that reads or changes the index ----
+
+    async def _run(self) -> None:
+        while True:
+            message, reply = await self._mailbox.get()
+            try:
+                result = await self._handle(message)
+            except Exception as error:
+                if not reply.done():
+                    reply.set_exception(error)
+            else:
+                if not reply.done():
+                    reply.set_result(result)
+            if isinstance(message, StopPersistence):
+                break
+        while not self._mailbox.empty():
+            _, reply = self._mailbox.get_nowait()
+            if not reply.done():
+                reply.set_exception(PersistenceStoppedError("the persistence actor stopped"))
+
+    async def _handle(self, message: PersistenceMessage) -> Any:
+        match message:
+            case SaveCaches(caches=caches):
+                return [agent_id for cache in caches if (agent_id := await self._save(cache)) is not None]
+            case LoadCache(agent_id=agent_id):
+                return await self._load(agent_id)
+            case DeleteAgent(agent_id=agent_id):
+                self._index.pop(agent_id, None)
+                await self._io(_unlink, self.path_for(agent_id), self.conversation_path_for(agent_id))
+                return None
+            case SaveConversation(agent_id=agent_id, record=record):
+                await self._io(write_conversation, self.conversation_path_for(agent_id), record)
+                self._index.setdefault(agent_id, DiskEntry()).has_conversation = True
+                return None
+            case LoadConversation(agent_id=agent_id):
+                return await self._load_conversation(agent_id)
+            case ListOnDisk(only=only):
+                if only is not None:
+                    entry = self._index.get(only)
+                    return {only: replace(entry)} if entry is not None else {}
+                return {agent_id: replace(entry) for agent_id, entry in self._index.items()}
+            case StopPersistence():
+                return None
+
+    async def _save(self, cache: SerializedCache) -> AgentId | None:
+        agent_id = AgentId(cache.agent_id)
+        start = time.perf_counter()
         try:
-            cache = await self._run(read_cache_file, self.path_for(agent_id), self.identity)
+            await self._io(write_cache_file, self.path_for(agent_id), cache, self.identity)
+        except OSError as error:
+            logger.error("could not write the cache of agent {}: {}", agent_id, error)
+            return None
+        seconds = time.perf_counter() - start
+        entry = self._index.setdefault(agent_id, DiskEntry())
+        entry.has_cache, entry.num_cached_tokens = True, cache.num_tokens
+        self.num_writes += 1
+        self.last_write_s = seconds
+        self.write_seconds_total += seconds
+        return agent_id
+
+    async def _load(self, agent_id: AgentId) -> SerializedCache | None:
+        entry = self._index.get(agent_id)
+        if entry is None or not entry.has_cache:
+            return None
+        path = self.path_for(agent_id)
+        try:
+            cache: SerializedCache = await self._io(read_cache_file, path, self.identity, agent_id)
         except CacheFileError as error:
-            logger.warning("quarantining the cache of agent {}: {}", agent_id, error)
-            await self._run(self._quarantine, agent_id)
+            await self._quarantine(agent_id, path, str(error))
             return None
         except FileNotFoundError:
-            self._on_disk.discard(agent_id)
+            entry.has_cache, entry.num_cached_tokens = False, 0
             return None
         self.num_loads += 1
         return cache
 
-    async def delete(self, agent_id: str) -> None:
-        self._on_disk.discard(agent_id)
-        self._conversations.discard(agent_id)
-
-        def unlink() -> None:
-            self.path_for(agent_id).unlink(missing_ok=True)
-            self.conversation_path_for(agent_id).unlink(missing_ok=True)
-
-        await self._run(unlink)
-
-    def conversation_path_for(self, agent_id: str) -> Path:
-        return self.agents_dir / f"{agent_id}{CONVERSATION_SUFFIX}"
-
-    async def save_conversation(self, agent_id: str, record: ConversationRecord) -> None:
-        await self._run(write_conversation, self.conversation_path_for(agent_id), record)
-        self._conversations.add(agent_id)
-
-    async def load_conversation(self, agent_id: str) -> ConversationRecord | None:
-        return await self._run(read_conversation, self.conversation_path_for(agent_id))
-
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    def _scan(self, suffix: str) -> set[str]:
-        if not self.agents_dir.exists():
-            return set()
-        return {
-            p.name.removesuffix(suffix)
-            for p in self.agents_dir.glob(f"*{suffix}")
-            if not p.name.startswith(".")
-        }
-
-    def _write(self, cache: SerializedCache) -> float:
-        start = time.perf_counter()
-        write_cache_file(self.path_for(cache.agent_id), cache, self.identity)
-        self.num_writes += 1
-        return time.perf_counter() - start
-
-    def _quarantine(self, agent_id: str) -> None:
-        self._on_disk.discard(agent_id)
-        source = self.path_for(agent_id)
-        self.quarantine_dir.mkdir(parents=True, exist_ok=True)
-        target = self.quarantine_dir / f"{agent_id}.{int(time.time() * 1000)}{SUFFIX}"
+    async def _load_conversation(self, agent_id: AgentId) -> ConversationRecord | None:
+        path = self.conversation_path_for(agent_id)
         try:
-            os.replace(source, target)
-        except FileNotFoundError:
-            return
-        self.num_quarantined += 1
+            record: ConversationRecord | None = await self._io(
+                read_conversation, path, self.identity.vocab_size
+            )
+        except ConversationFileError as error:
+            await self._quarantine(agent_id, path, str(error))
+            return None
+        return record
+
+    async def _quarantine(self, agent_id: AgentId, path: Path, reason: str) -> None:
+        logger.warning("quarantining {} of agent {}: {}", path.name, agent_id, reason)
+        entry = self._index.get(agent_id)
+        if entry is not None:
+            if path.name.endswith(CONVERSATION_SUFFIX):
+                entry.has_conversation = False
+            else:
+                entry.has_cache, entry.num_cached_tokens = False, 0
+            if not (entry.has_cache or entry.has_conversation):
+                del self._index[agent_id]
+        if await self._io(_move_aside, path, self.quarantine_dir):
+            self.num_quarantined += 1
+
+    def _scan(self) -> dict[AgentId, DiskEntry]:
+        """Worker thread, at start: index the folder and remove temp files a crash left behind."""
+        index: dict[AgentId, DiskEntry] = {}
+        if not self.agents_dir.exists():
+            return index
+        for path in self.agents_dir.iterdir():
+            name = path.name
+            if name.startswith(".") and name.endswith(".tmp"):
+                logger.info("removing {}, left by an interrupted write", name)
+                path.unlink(missing_ok=True)
+                continue
+            for suffix in (SUFFIX, CONVERSATION_SUFFIX):
+                if not name.endswith(suffix):
+                    continue
+                try:
+                    agent_id = AgentId(name.removesuffix(suffix))
+                except InvalidAgentIdError:
+                    break
+                entry = index.setdefault(agent_id, DiskEntry())
+                if suffix == SUFFIX:
+                    entry.has_cache, entry.num_cached_tokens = True, read_num_tokens(path)
+                else:
+                    entry.has_conversation = True
+                break
+        return index
+
+
+def _unlink(*paths: Path) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def _move_aside(path: Path, quarantine_dir: Path) -> bool:
+    quarantine_dir.mkdir(parents=True, exist_ok=True)
+    target = quarantine_dir / f"{path.name}.{int(time.time() * 1000)}"
+    try:
+        os.replace(path, target)
+    except FileNotFoundError:
+        return False
+    return True

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from mlx_lm import stream_generate
 
-from semantic.actors.agent import AgentStoppedError, Generate, MailboxFullError
-from semantic.actors.identity import InvalidAgentIdError, agent_id_from, validate_agent_id
+from semantic.actors.agent import AgentStoppedError, MailboxFullError, StartTurn
+from semantic.actors.agent_id import AgentId, InvalidAgentIdError, agent_id_from
 from semantic.actors.system import AgentSystem, SystemConfig
+from semantic.actors.turns import TurnRequest, TurnStarted
+from semantic.engine.commands import InspectPool, ListCaches, ReferenceGenerate
 from semantic.engine.engine import EngineConfig, RequestStream
-from semantic.engine.messages import Finished, GenerationRequest, PromptStarted, TokenDelta
+from semantic.engine.messages import Finished, PromptStarted, TokenDelta
 from semantic.engine.sampling import SamplingParams
 from semantic.storage.cache_file import CacheIdentity, read_cache_file, write_cache_file
 
@@ -66,13 +68,20 @@ async def run_turn(stream: RequestStream) -> tuple[list[int], PromptStarted, Fin
     return tokens, started, finished
 
 
-async def cold_output(system: AgentSystem, prompt: list[int], max_tokens: int) -> list[int]:
-    def run(engine) -> list[int]:  # type: ignore[no-untyped-def]
-        loaded = engine.model
-        steps = stream_generate(loaded.model, loaded.tokenizer, prompt, max_tokens=max_tokens)
-        return [step.token for step in steps if step.token not in loaded.eos_token_ids]
+def token_turn(agent_id: str | None, prompt: list[int], sampling: SamplingParams) -> TurnRequest:
+    agent = AgentId(agent_id) if agent_id is not None else None
+    return TurnRequest(uuid.uuid4().hex, agent, [], sampling, prompt_token_ids=list(prompt))
 
-    return await system.engine.call(run)
+
+async def generate(
+    system: AgentSystem, agent_id: str | None, prompt: list[int], sampling: SamplingParams
+) -> RequestStream:
+    """A turn of already tokenized prompt through the agent's actor."""
+    return (await system.start_turn(token_turn(agent_id, prompt, sampling))).stream
+
+
+async def cold_output(system: AgentSystem, prompt: list[int], max_tokens: int) -> list[int]:
+    return await system.engine.ask(ReferenceGenerate(prompt, max_tokens))
 
 
 def without_eos(system: AgentSystem, tokens: list[int]) -> list[int]:
@@ -87,7 +96,7 @@ async def converse(system: AgentSystem, agent_id: str, between_turns=None) -> li
         if index and between_turns is not None:
             await between_turns(index)
         prompt = history + user_turn(system, text, first=index == 0)
-        stream = await system.generate(agent_id, prompt, SamplingParams(max_tokens=12))
+        stream = await generate(system, agent_id, prompt, SamplingParams(max_tokens=12))
         tokens, started, _ = await run_turn(stream)
         expected = await cold_output(system, prompt, 12)
         assert without_eos(system, tokens) == expected, f"turn {index}"
@@ -106,9 +115,10 @@ async def test_turns_resume_from_memory(system: AgentSystem) -> None:
 @pytest.mark.asyncio(loop_scope="module")
 async def test_turns_resume_after_eviction_to_disk(system: AgentSystem) -> None:
     async def evict(index: int) -> None:
-        assert await system.evict("disk-agent")
-        assert system.persistence is not None and system.persistence.path_for("disk-agent").exists()
-        assert "disk-agent" not in await system.engine.call(lambda e: set(e.store.agents))
+        assert await system.evict(AgentId("disk-agent"))
+        persistence = system.models.persistence
+        assert persistence is not None and persistence.path_for(AgentId("disk-agent")).exists()
+        assert not await system.engine.ask(ListCaches("disk-agent"))
 
     report = await converse(system, "disk-agent", between_turns=evict)
     for tier, cached, history in report[1:]:
@@ -120,12 +130,13 @@ async def test_turns_resume_after_eviction_to_disk(system: AgentSystem) -> None:
 async def test_damaged_cache_file_is_quarantined_and_agent_starts_cold(
     system: AgentSystem, damage: str
 ) -> None:
-    agent_id = f"damaged-{damage}"
+    agent_id = AgentId(f"damaged-{damage}")
     prompt = user_turn(system, TURNS[0], first=True)
-    await run_turn(await system.generate(agent_id, prompt, SamplingParams(max_tokens=6)))
+    await run_turn(await generate(system, agent_id, prompt, SamplingParams(max_tokens=6)))
     assert await system.evict(agent_id)
-    assert system.persistence is not None
-    path = system.persistence.path_for(agent_id)
+    persistence = system.models.persistence
+    assert persistence is not None
+    path = persistence.path_for(agent_id)
     data = bytearray(path.read_bytes())
     if damage == "truncate":
         path.write_bytes(data[: len(data) // 2])
@@ -133,17 +144,17 @@ async def test_damaged_cache_file_is_quarantined_and_agent_starts_cold(
         data[-10] ^= 0xFF
         path.write_bytes(bytes(data))
     else:
-        identity = system.persistence.identity
+        identity = persistence.identity
         cache = read_cache_file(path, identity)
         other = CacheIdentity("another-model", "0" * 32, identity.block_size, identity.spec)
         write_cache_file(path, cache, other)
     follow_up = prompt + user_turn(system, TURNS[1], first=False)
     tokens, started, _ = await run_turn(
-        await system.generate(agent_id, follow_up, SamplingParams(max_tokens=8))
+        await generate(system, agent_id, follow_up, SamplingParams(max_tokens=8))
     )
     assert started.num_cached_tokens == 0
     assert not path.exists()
-    assert any(p.name.startswith(agent_id) for p in system.persistence.quarantine_dir.iterdir())
+    assert any(p.name.startswith(agent_id) for p in persistence.quarantine_dir.iterdir())
     assert without_eos(system, tokens) == await cold_output(system, follow_up, 8)
 
 
@@ -158,7 +169,8 @@ async def test_agents_sharing_a_system_prompt_store_it_once(system: AgentSystem)
     block_size = system.engine.model.spec.block_size
 
     async def used_blocks() -> int:
-        return await system.engine.call(lambda e: e._pool.num_used_blocks)
+        report = await system.engine.ask(InspectPool())
+        return report.num_blocks - report.num_free_blocks
 
     prompts = [
         list(
@@ -170,11 +182,11 @@ async def test_agents_sharing_a_system_prompt_store_it_once(system: AgentSystem)
         for i in range(4)
     ]
     before = await used_blocks()
-    await run_turn(await system.generate("share-0", prompts[0], SamplingParams(max_tokens=4)))
+    await run_turn(await generate(system, "share-0", prompts[0], SamplingParams(max_tokens=4)))
     first = await used_blocks() - before
     for i in range(1, 4):
         _, started, _ = await run_turn(
-            await system.generate(f"share-{i}", prompts[i], SamplingParams(max_tokens=4))
+            await generate(system, f"share-{i}", prompts[i], SamplingParams(max_tokens=4))
         )
         assert started.num_cached_tokens >= block_size
     per_other_agent = (await used_blocks() - before - first) / 3
@@ -188,7 +200,7 @@ async def test_one_agent_runs_one_turn_at_a_time(system: AgentSystem) -> None:
     order: list[str] = []
 
     async def turn(name: str) -> None:
-        stream = await system.generate("serial", prompt, SamplingParams(max_tokens=6))
+        stream = await generate(system, "serial", prompt, SamplingParams(max_tokens=6))
         async for event in stream:
             if isinstance(event, PromptStarted):
                 order.append(f"{name}-start")
@@ -201,11 +213,11 @@ async def test_one_agent_runs_one_turn_at_a_time(system: AgentSystem) -> None:
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_full_mailbox_is_refused_and_stop_fails_queued_asks(system: AgentSystem) -> None:
-    actor = system.agent("busy")
+    actor = system._actor(AgentId("busy"))
     prompt = user_turn(system, "Say hi.", first=True)
 
-    def ask() -> asyncio.Future[RequestStream]:
-        return actor.ask(Generate(GenerationRequest("x", list(prompt), SamplingParams(max_tokens=4))))
+    def ask() -> asyncio.Future[TurnStarted]:
+        return actor.ask(StartTurn(token_turn("busy", prompt, SamplingParams(max_tokens=4))))
 
     asks = [ask() for _ in range(actor.mailbox_size)]
     with pytest.raises(MailboxFullError, match=f"{actor.mailbox_size} requests queued"):
@@ -214,16 +226,16 @@ async def test_full_mailbox_is_refused_and_stop_fails_queued_asks(system: AgentS
     results = await asyncio.gather(*asks, return_exceptions=True)
     assert any(isinstance(r, AgentStoppedError) for r in results)
     for result in results:
-        if isinstance(result, RequestStream):
-            async for _ in result:
+        if isinstance(result, TurnStarted):
+            async for _ in result.stream:
                 pass
 
 
 def test_agent_ids_are_validated() -> None:
-    assert validate_agent_id("agent-1.a_b") == "agent-1.a_b"
-    for bad in ["", "../etc", "a/b", ".hidden", "x" * 129, "a b", "-x"]:
+    assert AgentId("agent-1.a_b") == "agent-1.a_b"
+    for bad in ["", "../etc", "a/b", ".hidden", "x" * 129, "a b", "-x", "#anon-1", "a\x00b"]:
         with pytest.raises(InvalidAgentIdError):
-            validate_agent_id(bad)
+            AgentId(bad)
     headers = {"x-session-id": "s", "x-claude-code-session-id": "c"}
     assert agent_id_from({"x-agent-id": "a", **headers}, "body") == "a"
     assert agent_id_from(headers, "body") == "body"

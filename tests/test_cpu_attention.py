@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semantic.engine import cpu_attention
+from semantic.engine import cpu_attention, mlx_seams
 
 
 def test_exp2_matches_numpy_over_the_range_it_is_used_on() -> None:
@@ -70,11 +73,66 @@ def test_a_large_softmax_is_split_across_streams_and_stays_exact() -> None:
     np.testing.assert_allclose(np.array(split), np.array(reference), rtol=1e-5, atol=1e-7)
 
 
-def test_loading_a_model_on_the_cpu_routes_its_attention_here(default_model_dir: Path) -> None:
-    from mlx_lm.models import base, llama
-
+@pytest.fixture(scope="module")
+def hooked_model(default_model_dir: Path) -> Any:
+    """The default model with the CPU attention hook installed, as the engine installs it at load."""
     from semantic.engine.loading import load_model
 
-    load_model(str(default_model_dir))
+    loaded = load_model(str(default_model_dir))
     assert mx.default_device() == mx.cpu
-    assert llama.scaled_dot_product_attention is not base.scaled_dot_product_attention
+    assert mlx_seams.install_cpu_attention()
+    return loaded.model
+
+
+def test_installing_routes_a_cpu_model_s_attention_through_the_hook(hooked_model: Any) -> None:
+    from mlx_lm.models import base, llama
+
+    hook = llama.scaled_dot_product_attention
+    assert hook is not base.scaled_dot_product_attention
+    assert getattr(hook, "__wrapped__", None) is base.scaled_dot_product_attention
+
+
+def test_the_hook_uses_our_attention_only_on_the_thread_that_enables_it(hooked_model: Any) -> None:
+    from mlx_lm.models import base, llama
+
+    hook = llama.scaled_dot_product_attention
+    k1, k2, k3 = mx.random.split(mx.random.key(3), 3)
+    queries = mx.random.normal((1, 9, 40, 64), key=k1)
+    keys = mx.random.normal((1, 3, 40, 64), key=k2) * 3
+    values = mx.random.normal((1, 3, 40, 64), key=k3)
+
+    def call(function: Any) -> np.ndarray:
+        return np.array(function(queries, keys, values, None, scale=0.125, mask="causal"))
+
+    original = call(base.scaled_dot_product_attention)
+    ours = np.array(cpu_attention.attention(queries, keys, values, 0.125, "causal"))
+    assert not np.array_equal(ours, original)  # the two paths are told apart by their bits
+    enabled, release = threading.Event(), threading.Event()
+    from_engine_thread: list[np.ndarray] = []
+
+    def engine_thread() -> None:
+        with mlx_seams.cpu_attention_on_this_thread():
+            from_engine_thread.append(call(hook))
+            enabled.set()
+            release.wait(30)  # the flag stays set here while another thread calls the hook
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    try:
+        assert enabled.wait(30)
+        np.testing.assert_array_equal(call(hook), original)
+    finally:
+        release.set()
+        thread.join()
+    np.testing.assert_array_equal(from_engine_thread[0], ours)
+
+
+def test_a_model_run_off_the_engine_thread_gives_mlx_lm_s_exact_logits(
+    hooked_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlx_lm.models import base, llama
+
+    tokens = mx.array([list(range(100, 160))])
+    hooked = np.array(hooked_model(tokens))
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
+    np.testing.assert_array_equal(hooked, np.array(hooked_model(tokens)))

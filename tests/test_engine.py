@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import mlx.core as mx
 import pytest
 import pytest_asyncio
-from mlx_lm import generate as mlx_generate
 
-from semantic.engine.engine import Engine, EngineConfig, PromptTooLongError, RequestStream
+from semantic.engine import cpu_attention
+from semantic.engine.agent_cache import is_anonymous
+from semantic.engine.commands import Drain, InspectPool, ListCaches, ReferenceGenerate
+from semantic.engine.engine import Engine, EngineConfig, EngineError, PromptTooLongError, RequestStream
 from semantic.engine.messages import Finished, FinishReason, GenerationRequest, PromptStarted, TokenDelta
 from semantic.engine.sampling import SamplingParams
 
@@ -59,9 +64,8 @@ async def collect(stream: RequestStream) -> tuple[str, list[int], Finished]:
 
 
 async def pool_state(engine: Engine) -> tuple[int, int, int]:
-    return await engine.call(
-        lambda e: (e._pool.num_free_blocks, len(e._running), len(e._generator._generation_batch))
-    )
+    report = await engine.ask(InspectPool())
+    return report.num_free_blocks, report.num_running, report.num_in_batch
 
 
 async def test_concurrent_requests_match_mlx_lm_generate_alone(engine: Engine) -> None:
@@ -73,12 +77,10 @@ async def test_concurrent_requests_match_mlx_lm_generate_alone(engine: Engine) -
     results = await asyncio.gather(*(staggered(i, text) for i, text in enumerate(PROMPTS)))
     # Fewer steps than the requests' tokens added up means they decoded together.
     assert engine.stats.num_steps - steps_before < sum(f.num_generated_tokens for _, _, f in results)
-    for text, (output, _, finished) in zip(PROMPTS, results, strict=True):
-        prompt = chat(engine, text)
-        expected = await engine.call(
-            lambda e, p=prompt: mlx_generate(e.model.model, e.model.tokenizer, p, max_tokens=24)
-        )
-        assert output == expected
+    eos = engine.model.eos_token_ids
+    for text, (_, tokens, finished) in zip(PROMPTS, results, strict=True):
+        expected = await engine.ask(ReferenceGenerate(chat(engine, text), max_tokens=24))
+        assert [t for t in tokens if t not in eos] == expected
         assert finished.reason in (FinishReason.STOP, FinishReason.LENGTH)
     assert results[0][0] == "The capital of France is Paris."
 
@@ -102,8 +104,8 @@ async def test_cancelled_stream_frees_its_slot_and_blocks(engine: Engine) -> Non
         await asyncio.sleep(0.05)
     assert (running_after, batch_after) == (running_before, batch_before)
     # The finished request kept its agent cache; the cancelled one left nothing behind.
-    agents = await engine.call(lambda e: {a.agent_id: a.num_tokens for a in e.store.agents.values()})
-    assert free_after >= free_before - sum(engine.model.spec.num_blocks_for(n) for n in agents.values())
+    agents = await engine.ask(ListCaches())
+    assert free_after >= free_before - sum(engine.model.spec.num_blocks_for(a.num_tokens) for a in agents)
 
 
 async def test_stop_string_ends_generation_without_leaking_it(engine: Engine) -> None:
@@ -155,14 +157,14 @@ async def test_prompt_started_reports_reuse(engine: Engine) -> None:
 
 async def test_drain_waits_for_the_batch_then_fails_what_outlives_its_timeout(engine: Engine) -> None:
     quick = submit(engine, chat(engine, PROMPTS[2]), temperature=0.0, max_tokens=4)
-    assert await engine.drain(60, "a test drain") == 0  # waits for `quick` rather than failing it
+    assert await engine.ask(Drain(60, "a test drain")) == 0  # waits for `quick` rather than failing it
     assert quick.done.done() and isinstance(quick.done.result(), Finished)
 
     before = await pool_state(engine)
 
     slow = submit(engine, chat(engine, PROMPTS[3]), temperature=0.0, max_tokens=400)
     waiting = submit(engine, chat(engine, PROMPTS[0]), temperature=0.0, max_tokens=400)
-    assert await engine.drain(0.3, "a test drain") in (1, 2)
+    assert await engine.ask(Drain(0.3, "a test drain")) in (1, 2)
     for stream in (slow, waiting):
         with pytest.raises(Exception, match="cancelled: a test drain, and the drain timeout passed"):
             await collect(stream)
@@ -253,12 +255,48 @@ async def test_agents_arriving_together_with_one_system_prompt_prefill_it_once(e
         assert started[name].num_cached_tokens >= 2 * block_size
     free, running, batch = await pool_state(engine)
     assert (running, batch) == (0, 0)
-    refs = await engine.call(lambda e: sorted(b.ref_count for b in e._pool.blocks if b.ref_count))
-    agents = await engine.call(lambda e: [a.block_ids for a in e.store.agents.values()])
+    report = await engine.ask(InspectPool())
     # Every referenced block is referenced by exactly the agents that hold it: nothing leaked.
     held: dict[int, int] = {}
-    for block_ids in agents:
+    for block_ids in report.agent_id_to_block_ids.values():
         for block_id in block_ids:
             held[block_id] = held.get(block_id, 0) + 1
-    assert refs == sorted(held.values())
-    assert free == engine._pool.num_blocks - len(held)
+    assert report.ref_counts == sorted(held.values())
+    assert free == report.num_blocks - len(held)
+
+
+async def test_prefill_on_the_engine_thread_goes_through_the_cpu_attention(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the CPU attention is installed only when models run on the CPU")
+    threads: list[str] = []
+    attention = cpu_attention.attention
+
+    def counted(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return attention(*args)
+
+    monkeypatch.setattr(cpu_attention, "attention", counted)
+    await collect(submit(engine, chat(engine, f"Name a color. {uuid.uuid4().hex}"), max_tokens=2))
+    assert threads and set(threads) == {"semantic-engine"}
+
+
+async def test_requests_without_an_agent_id_get_ids_no_client_can_send(engine: Engine) -> None:
+    prompt = chat(engine, f"Say yes. {uuid.uuid4().hex}")
+    await collect(submit(engine, prompt, max_tokens=2))
+    anonymous = [a.agent_id for a in await engine.ask(ListCaches()) if is_anonymous(a.agent_id)]
+    assert anonymous and all(a.startswith("#anon-") for a in anonymous)
+    assert not is_anonymous("anon-3")  # a client's id, flushed and persisted like any other
+
+
+async def test_asks_and_submissions_fail_once_the_engine_stopped(default_model_dir: Path) -> None:
+    engine = Engine(EngineConfig(model=str(default_model_dir), cache_budget_mb=64))
+    await engine.start()
+    assert await engine.ask(ListCaches()) == []
+    prompt = chat(engine, "Hi")
+    await engine.stop()
+    with pytest.raises(EngineError, match="not running"):
+        await engine.ask(ListCaches())
+    with pytest.raises(EngineError, match="stopped"):
+        submit(engine, prompt)

@@ -12,6 +12,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from semantic.actors.system import SystemConfig
+from semantic.engine.commands import InspectPool
 from semantic.engine.engine import EngineConfig
 from semantic.protocols.app import create_app
 from semantic.protocols.common import GATE_KEY, SYSTEM_KEY
@@ -105,9 +106,8 @@ async def test_client_disconnects_free_batch_slots_and_blocks(
         engine = app[SYSTEM_KEY].engine
 
         async def state() -> tuple[int, int, int]:
-            return await engine.call(
-                lambda e: (e._pool.num_free_blocks, len(e._running), len(e._generator._generation_batch))
-            )
+            report = await engine.ask(InspectPool())
+            return report.num_free_blocks, report.num_running, report.num_in_batch
 
         before = await state()
         body = {

@@ -1,0 +1,305 @@
+"""The model host: which model is loaded, switching it, and what belongs to one loaded model.
+
+Every turn passes `ready(name)` before it tokenizes: that returns a `ModelSession` (the loaded
+model, its chat format and its persistence actor) once the named model is loaded, swapping to it
+or reloading it after an idle unload. A transition drains the engine (bounded), flushes every hot
+cache through the old model's persistence actor, unloads, and loads the new model (or the old one
+back if that fails). Requests arriving meanwhile wait on the transition, up to `model_wait_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import mlx.core as mx
+from loguru import logger
+
+from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.chat_format import ChatFormat
+from semantic.engine.commands import Drain, LoadModel, SnapshotCaches, UnloadModel
+from semantic.engine.engine import Engine, EngineConfig, EngineError
+from semantic.engine.loading import LoadedModel
+from semantic.engine.registry import ModelEntry, ModelRegistry
+from semantic.storage.cache_file import CacheIdentity
+from semantic.storage.persistence import PersistenceActor
+
+T = TypeVar("T")
+
+
+class ModelUnavailableError(EngineError):
+    """No model could be made ready in time for a request (a swap failed or took too long)."""
+
+
+class ModelLoadError(ModelUnavailableError):
+    """The requested model failed to load (the previous one, if any, was loaded back)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SwapReport:
+    """What one model transition did and how long each phase took."""
+
+    from_model: str | None
+    to_model: str | None
+    drain_s: float = 0.0
+    num_cancelled: int = 0
+    flush_s: float = 0.0
+    num_flushed: int = 0
+    unload_s: float = 0.0
+    load_s: float = 0.0
+    total_s: float = 0.0
+    active_memory_before_unload: int = 0
+    active_memory_after_unload: int = 0
+    active_memory_after_load: int = 0
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSession:
+    """One loaded model and what belongs to it; valid until the next transition."""
+
+    loaded: LoadedModel
+    chat: ChatFormat
+    persistence: PersistenceActor | None
+
+
+class ModelHost:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        registry: ModelRegistry,
+        cache_dir: Path,
+        persist_caches: bool = True,
+        swap_drain_timeout_s: float = 30.0,
+        model_wait_s: float = 300.0,
+        idle_unload_s: float | None = None,
+        num_tokenizer_workers: int = 2,
+    ) -> None:
+        self.registry = registry
+        self.engine = Engine(engine_config, on_evicted=self._write_evicted)
+        self.cache_dir = cache_dir
+        self.persist_caches = persist_caches
+        self.swap_drain_timeout_s = swap_drain_timeout_s
+        self.model_wait_s = model_wait_s
+        self.idle_unload_s = idle_unload_s
+        self.session: ModelSession | None = None
+        self.entry: ModelEntry | None = None
+        self._last_entry = registry.initial
+        self._transition: asyncio.Task[SwapReport] | None = None
+        self.transition_target: str | None = None
+        self.last_swap: SwapReport | None = None
+        self.swap_history: list[SwapReport] = []
+        self._pending_writes: set[asyncio.Task[Any]] = set()
+        self._last_used = time.monotonic()
+        self._idle_watch: asyncio.Task[None] | None = None
+        self.active_memory_before_load = 0
+        # Templates and tokenizers run here, never on the event loop; a few at once, queued beyond.
+        self._tokenizer = ThreadPoolExecutor(num_tokenizer_workers, thread_name_prefix="semantic-tokenize")
+
+    @property
+    def is_switching(self) -> bool:
+        return self._transition is not None
+
+    @property
+    def persistence(self) -> PersistenceActor | None:
+        return self.session.persistence if self.session is not None else None
+
+    async def start(self) -> None:
+        self.active_memory_before_load = mx.get_active_memory()
+        await self.engine.start()
+        await self._attach(self.registry.initial)
+        if self.idle_unload_s:
+            self._idle_watch = asyncio.create_task(self._unload_when_idle(self.idle_unload_s))
+
+    async def stop(self, flush: bool = True) -> None:
+        if self._idle_watch is not None:
+            self._idle_watch.cancel()
+        while self._transition is not None:
+            await asyncio.wait([self._transition])
+        await self._settle_writes()
+        if flush and self.session is not None:
+            written = await self.flush()
+            logger.info("flushed {} agent caches to disk", len(written))
+        await self.engine.stop()
+        if self.session is not None and self.session.persistence is not None:
+            await self.session.persistence.stop()
+        self._tokenizer.shutdown(wait=False, cancel_futures=True)
+
+    async def tokenize(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a template/tokenizer function in the tokenizer workers."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer, fn, *args)
+
+    async def ready(self, name: str | None = None) -> ModelSession:
+        """The session of the model `name` resolves to (None: whichever is loaded), once loaded.
+
+        Raises UnknownModelError (not configured), ModelLoadError (it failed to load) or
+        ModelUnavailableError (not ready within `model_wait_s`).
+        """
+        entry = self.registry.resolve(name)
+        deadline = time.monotonic() + self.model_wait_s
+        while True:
+            self._last_used = time.monotonic()
+            if self._transition is not None:
+                await self._wait_for(self._transition, deadline)
+                continue
+            if self.session is not None and entry in (None, self.entry):
+                return self.session
+            report = await self._wait_for(self._begin(entry or self._last_entry), deadline)
+            if report.error is not None:
+                raise ModelLoadError(report.error)
+
+    async def swap(self, name: str) -> SwapReport | None:
+        """Make `name` the loaded model now; the report of the swap, or None if it was loaded."""
+        before = self.last_swap
+        await self.ready(name)
+        return self.last_swap if self.last_swap is not before else None
+
+    async def unload(self) -> SwapReport | None:
+        """Flush the agents' caches and drop the model; the next request loads it again."""
+        while self._transition is not None:
+            await asyncio.wait([self._transition])
+        if self.session is None:
+            return None
+        return await self._begin(None)
+
+    async def flush(self) -> list[str]:
+        """Write every hot named agent's cache to disk (they stay in memory)."""
+        persistence = self.persistence
+        if persistence is None or self.engine.loaded is None:
+            return []
+        return list(await persistence.save(await self.engine.ask(SnapshotCaches())))
+
+    def _begin(self, target: ModelEntry | None) -> asyncio.Task[SwapReport]:
+        assert self._transition is None, "a transition is already under way: model host bug"
+        self.transition_target = target.name if target is not None else None
+        transition = asyncio.get_running_loop().create_task(self._switch_to(target))
+        self._transition = transition
+        transition.add_done_callback(self._transition_done)
+        return transition
+
+    def _transition_done(self, task: asyncio.Task[SwapReport]) -> None:
+        if self._transition is task:
+            self._transition = None
+            self.transition_target = None
+
+    async def _wait_for(self, transition: asyncio.Task[SwapReport], deadline: float) -> SwapReport:
+        try:
+            return await asyncio.wait_for(asyncio.shield(transition), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise ModelUnavailableError(
+                f"waited {self.model_wait_s:.0f} s (the limit) for the model to switch to "
+                f"{self.transition_target or 'unloaded'}"
+            ) from None
+
+    async def _switch_to(self, target: ModelEntry | None) -> SwapReport:
+        """Drain, flush and unload the current model, then load `target` (the old one if that fails)."""
+        started = time.perf_counter()
+        old = self.entry
+        report = SwapReport(old.name if old else None, target.name if target else None)
+        if self.session is not None:
+            report = await self._detach(report)
+        if target is not None:
+            report = await self._load(target, old, report)
+        report = replace(report, total_s=time.perf_counter() - started)
+        logger.info(
+            "{} {} -> {} in {:.2f} s (drain {:.2f}, flush {:.2f}, unload {:.2f}, load {:.2f})",
+            "failed to switch" if report.error else "switched",
+            report.from_model,
+            report.to_model or "unloaded",
+            report.total_s,
+            report.drain_s,
+            report.flush_s,
+            report.unload_s,
+            report.load_s,
+        )
+        self.last_swap = report
+        self.swap_history = [*self.swap_history[-99:], report]
+        return report
+
+    async def _load(self, target: ModelEntry, fallback: ModelEntry | None, report: SwapReport) -> SwapReport:
+        started = time.perf_counter()
+        try:
+            await self.engine.ask(LoadModel(target.source, target.name))
+            await self._attach(target)
+        except Exception as error:
+            message = f"could not load model {target.name!r} from {target.source!r}: {error}"
+            logger.error("{}", message)
+            if fallback is not None:
+                await self.engine.ask(LoadModel(fallback.source, fallback.name))
+                await self._attach(fallback)
+                message += f"; still serving {fallback.name!r}"
+            return replace(report, error=message)
+        return replace(
+            report, load_s=time.perf_counter() - started, active_memory_after_load=mx.get_active_memory()
+        )
+
+    async def _attach(self, entry: ModelEntry) -> None:
+        loaded = self.engine.model
+        persistence = None
+        if self.persist_caches:
+            identity = CacheIdentity(
+                loaded.name,
+                loaded.fingerprint,
+                loaded.spec.block_size,
+                loaded.spec.to_dict(),
+                loaded.vocab_size,
+            )
+            persistence = PersistenceActor(self.cache_dir, identity)
+            await persistence.start()
+        self.session = ModelSession(loaded, ChatFormat(loaded.tokenizer), persistence)
+        self.entry = self._last_entry = entry
+
+    async def _detach(self, report: SwapReport) -> SwapReport:
+        """Let the batch finish (bounded), write every hot cache to disk, drop the model."""
+        started = time.perf_counter()
+        reason = f"the model is switching to {report.to_model or 'unloaded'}"
+        num_cancelled = await self.engine.ask(Drain(self.swap_drain_timeout_s, reason))
+        drained = time.perf_counter()
+        await self._settle_writes()
+        written = await self.flush()
+        flushed = time.perf_counter()
+        memory_before = mx.get_active_memory()
+        session, self.session, self.entry = self.session, None, None
+        await self.engine.ask(UnloadModel())
+        if session is not None and session.persistence is not None:
+            await session.persistence.stop()
+        return replace(
+            report,
+            drain_s=drained - started,
+            num_cancelled=num_cancelled,
+            flush_s=flushed - drained,
+            num_flushed=len(written),
+            unload_s=time.perf_counter() - flushed,
+            active_memory_before_unload=memory_before,
+            active_memory_after_unload=mx.get_active_memory(),
+        )
+
+    async def _unload_when_idle(self, idle_s: float) -> None:
+        while True:
+            await asyncio.sleep(min(idle_s / 4, 5.0))
+            stats = self.engine.stats
+            if stats.num_running or stats.num_waiting or self._transition is not None:
+                self._last_used = time.monotonic()
+                continue
+            if self.session is not None and time.monotonic() - self._last_used >= idle_s:
+                logger.info("no requests for {:.0f} s: unloading {}", idle_s, self.session.loaded.name)
+                await self._begin(None)
+
+    def _write_evicted(self, caches: list[SerializedCache]) -> None:
+        """Event loop: the engine evicted these caches to make room; write them to disk."""
+        persistence = self.persistence
+        if persistence is None:
+            logger.warning("dropping {} evicted caches: no persistence for this model", len(caches))
+            return
+        task = asyncio.get_running_loop().create_task(persistence.save(caches))
+        self._pending_writes.add(task)
+        task.add_done_callback(self._pending_writes.discard)
+
+    async def _settle_writes(self) -> None:
+        if self._pending_writes:
+            await asyncio.gather(*self._pending_writes, return_exceptions=True)

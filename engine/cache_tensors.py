@@ -1,0 +1,76 @@
+"""An agent's cache as numpy arrays: what crosses from the engine thread to the disk writers.
+
+Both directions run on the engine thread, which owns every MLX array; the numpy side is plain
+memory that a worker thread may read and write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from semantic.engine.agent_cache import CacheSnapshot
+
+# numpy has no bfloat16: arrays travel as unsigned integers of the same width and are viewed back.
+_STORAGE_VIEW = {2: (mx.uint16, np.uint16), 4: (mx.uint32, np.uint32), 1: (mx.uint8, np.uint8)}
+
+
+@dataclass(slots=True)
+class SerializedCache:
+    agent_id: str
+    tensors: dict[str, np.ndarray]
+    sliding_meta: list[list[int]]
+    num_tokens: int
+
+
+def _to_numpy(array: mx.array) -> np.ndarray:
+    mx_view, _ = _STORAGE_VIEW[array.dtype.size]
+    return np.array(array.view(mx_view), copy=False)
+
+
+def _from_numpy(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    return mx.array(array).view(dtype)
+
+
+def to_tensors(snapshot: CacheSnapshot) -> SerializedCache:
+    """Engine thread: evaluate and copy a snapshot into numpy arrays."""
+    arrays: dict[str, mx.array] = {"tokens": mx.array(snapshot.token_ids, dtype=mx.int32)}
+    for i, (keys, values) in enumerate(snapshot.full_layers):
+        if keys is not None and values is not None:
+            arrays[f"full.{i}.keys"], arrays[f"full.{i}.values"] = keys, values
+    sliding_meta = []
+    for i, state in enumerate(snapshot.sliding_layers):
+        keys, values, offset, keep, max_size, idx = state
+        arrays[f"sliding.{i}.keys"], arrays[f"sliding.{i}.values"] = keys, values
+        sliding_meta.append([int(offset), int(keep), int(max_size), int(idx)])
+    mx.eval(list(arrays.values()))
+    tensors = {name: _to_numpy(array) for name, array in arrays.items()}
+    tensors["tokens"] = np.array(snapshot.token_ids, dtype=np.int32)
+    return SerializedCache(snapshot.agent_id, tensors, sliding_meta, len(snapshot.token_ids))
+
+
+def from_tensors(cache: SerializedCache, dtype: str, num_full: int, num_sliding: int) -> CacheSnapshot:
+    """Engine thread: rebuild MLX arrays from a file's tensors."""
+    mx_dtype = getattr(mx, dtype)
+    tensors = cache.tensors
+    full_layers: list[Any] = []
+    for i in range(num_full):
+        if f"full.{i}.keys" in tensors:
+            full_layers.append(
+                (
+                    _from_numpy(tensors[f"full.{i}.keys"], mx_dtype),
+                    _from_numpy(tensors[f"full.{i}.values"], mx_dtype),
+                )
+            )
+        else:
+            full_layers.append((None, None))
+    sliding_layers = []
+    for i in range(num_sliding):
+        offset, keep, max_size, idx = cache.sliding_meta[i]
+        keys = _from_numpy(tensors[f"sliding.{i}.keys"], mx_dtype)
+        values = _from_numpy(tensors[f"sliding.{i}.values"], mx_dtype)
+        sliding_layers.append((keys, values, offset, keep, max_size, idx))
+    return CacheSnapshot(cache.agent_id, tensors["tokens"].tolist(), full_layers, sliding_layers)

@@ -1,0 +1,170 @@
+"""What the asyncio side sends the engine thread: asks with a typed reply, and internal tells.
+
+`await engine.ask(TakeCache("a"))` is typed by the command: each ask subclasses `EngineAsk[reply]`.
+A failure while answering an ask goes to its caller; the engine thread lives on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.loading import LoadedModel
+from semantic.engine.messages import EventChannel, GenerationRequest
+
+T = TypeVar("T")
+
+
+class EngineAsk(Generic[T]):
+    """A question for the engine thread whose answer has type `T`."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CachedAgent:
+    agent_id: str
+    num_tokens: int
+    last_used_s_ago: float
+
+
+@dataclass(frozen=True, slots=True)
+class PoolReport:
+    """The block pool and batch as the engine thread sees them (for tests and benches)."""
+
+    num_blocks: int
+    num_free_blocks: int
+    used_bytes: int
+    num_running: int
+    num_in_batch: int
+    ref_counts: list[int]  # of every referenced block, sorted
+    agent_id_to_block_ids: dict[str, list[int]]
+    agent_id_to_num_tokens: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadModel(EngineAsk[LoadedModel]):
+    """Load a model into an engine that has none; fails with its load error."""
+
+    source: str
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UnloadModel(EngineAsk[None]):
+    """Drop the model, its batch and its block pool; fails while requests run or wait."""
+
+
+@dataclass(frozen=True, slots=True)
+class Drain(EngineAsk[int]):
+    """Answered once nothing runs or waits; past `timeout_s` the rest fail. Replies how many failed.
+
+    The caller stops new submissions first."""
+
+    timeout_s: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class NeedsRestore(EngineAsk[bool]):
+    """True only if the loaded model has `fingerprint` and the agent's cache is not in memory."""
+
+    agent_id: str
+    fingerprint: str
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreCache(EngineAsk[bool]):
+    """Put a cache read from disk into memory; False if the loaded model is no longer `fingerprint`."""
+
+    cache: SerializedCache
+    fingerprint: str
+
+
+@dataclass(frozen=True, slots=True)
+class TakeCache(EngineAsk[SerializedCache | None]):
+    """Serialize an agent's cache and free its blocks; None if not in memory, running, or no model."""
+
+    agent_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotCaches(EngineAsk[list[SerializedCache]]):
+    """Serialize every named agent's cache in memory; they stay in memory."""
+
+
+@dataclass(frozen=True, slots=True)
+class DropCache(EngineAsk[None]):
+    agent_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ListCaches(EngineAsk[list[CachedAgent]]):
+    """The agents with a cache in memory (or just `agent_id`); empty without a model."""
+
+    agent_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InspectPool(EngineAsk[PoolReport]):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceGenerate(EngineAsk[list[int]]):
+    """The oracle for tests: greedy mlx-lm `stream_generate` outside the batch, eos removed."""
+
+    prompt_tokens: list[int]
+    max_tokens: int
+
+
+# ---- internal: only `Engine` builds these ----
+
+
+@dataclass(slots=True)
+class Submit:
+    request: GenerationRequest
+    events: EventChannel
+    queued_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class Cancel:
+    request_id: str
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+@dataclass(slots=True)
+class Envelope:
+    """An ask on its way to the engine thread, and where its answer goes."""
+
+    command: EngineAsk[Any]
+    reply: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop = field(repr=False)
+
+    def answer(self, value: Any) -> None:
+        self.loop.call_soon_threadsafe(resolve, self.reply, value)
+
+    def fail(self, error: BaseException) -> None:
+        self.loop.call_soon_threadsafe(reject, self.reply, error)
+
+
+Message = Submit | Cancel | Shutdown | Envelope
+
+
+def resolve(future: asyncio.Future[Any], value: Any) -> None:
+    """Set a future's result unless its caller already gave up on it (loop side)."""
+    if not future.done():
+        future.set_result(value)
+
+
+def reject(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

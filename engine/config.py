@@ -1,0 +1,47 @@
+"""The engine's settings, and the counters it keeps for metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str = "default"
+    model_name: str | None = None  # served under this name; None: derived from `model`
+    block_size: int = 256
+    cache_budget_mb: int = 4096
+    max_batch_size: int = 16
+    prefill_batch_size: int | None = None  # None: 1 on the CPU, 8 on a GPU
+    prefill_step_size: int | None = None  # None: 512 on the CPU, 2048 on a GPU
+    # Waiting prompts are admitted shortest uncached part first; one waiting this long goes first.
+    shortest_first_max_wait_s: float = 60.0
+    tick_s: float = 0.010
+    default_dtype: str = "float32"
+
+    @property
+    def num_prefilled_together(self) -> int:
+        """Prompts prefilled together. On the CPU one at a time: prefill is compute-bound there, so a
+        batch only makes every prompt in it wait for the slowest (and pads the shorter ones)."""
+        size = self.prefill_batch_size or (1 if mx.default_device() == mx.cpu else 8)
+        return max(1, min(size, self.max_batch_size))
+
+    @property
+    def num_tokens_per_prefill_step(self) -> int:
+        return self.prefill_step_size or (512 if mx.default_device() == mx.cpu else 2048)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    pool_used_bytes: int = 0
+    pool_budget_bytes: int = 0
+    num_agents_cached: int = 0
+    num_evictions: int = 0

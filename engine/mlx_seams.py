@@ -1,0 +1,207 @@
+"""Every place semantic relies on mlx-lm beyond its documented API, each with a check.
+
+Written for mlx-lm 0.32.x. At each model load the engine warns if the installed mlx-lm is outside
+that range and runs `check_seams`, which fails naming the assumption that broke: an mlx-lm upgrade
+then stops the load instead of quietly changing the batch's behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+from loguru import logger
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.models import base
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+from semantic.engine import cpu_attention
+
+WRITTEN_FOR = (0, 32)  # mlx-lm 0.32.x
+ATTENTION_PARAMETERS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
+
+
+class SeamError(RuntimeError):
+    """An assumption semantic makes about mlx-lm's internals does not hold for the installed version."""
+
+
+def _require(condition: bool, assumption: str) -> None:
+    if not condition:
+        raise SeamError(
+            f"mlx-lm {mlx_lm.__version__} breaks an assumption semantic relies on: {assumption} "
+            f"(written for mlx-lm {WRITTEN_FOR[0]}.{WRITTEN_FOR[1]}.x; see engine/mlx_seams.py)"
+        )
+
+
+def check_version(version: str = mlx_lm.__version__) -> bool:
+    """Warn if mlx-lm is outside the range these seams were written for; True if inside."""
+    try:
+        inside = tuple(int(part) for part in version.split(".")[:2]) == WRITTEN_FOR
+    except ValueError:
+        inside = False
+    if not inside:
+        logger.warning(
+            "mlx-lm {} is installed; semantic was written for {}.{}.x and checks its assumptions now",
+            version,
+            *WRITTEN_FOR,
+        )
+    return inside
+
+
+def check_seams(model: Any = None) -> None:
+    """Verify every assumption below against the installed mlx-lm; raises SeamError naming one that fails.
+
+    `model` builds the probe BatchGenerator (the engine passes the model it is loading).
+    """
+    generator = BatchGenerator(model)
+    try:
+        check_generator(generator)
+    finally:
+        generator.close()
+    check_attention(base.scaled_dot_product_attention)
+    check_cache_states()
+    check_responses()
+
+
+# ---- BatchGenerator internals: whether a prompt batch is still prefilling, and its batch size ----
+
+
+def is_prefilling(generator: BatchGenerator) -> bool:
+    """Whether the generator has prompts queued or part-way through their prefill."""
+    return bool(generator._currently_processing or generator._unprocessed_sequences)
+
+
+def num_generating(generator: BatchGenerator) -> int:
+    """Sequences in the generator's decode batch."""
+    return len(generator._generation_batch)
+
+
+def check_generator(generator: Any) -> None:
+    for name, use in (
+        ("_currently_processing", "is_prefilling() reads it to hold prompts while a batch prefills"),
+        ("_unprocessed_sequences", "is_prefilling() reads it to hold prompts while a batch prefills"),
+        ("_generation_batch", "num_generating() reads its length for pool reports"),
+    ):
+        _require(hasattr(generator, name), f"BatchGenerator has an attribute `{name}` ({use})")
+        _require(
+            len(getattr(generator, name)) == 0,
+            f"a fresh BatchGenerator's `{name}` is an empty sized collection ({use})",
+        )
+    for method, parameters in (
+        ("insert", ("prompts", "max_tokens", "caches", "all_tokens", "samplers")),
+        ("remove", ("uids", "return_prompt_caches")),
+        ("extract_cache", ("uids",)),
+    ):
+        found = inspect.signature(getattr(generator, method, None) or (lambda: None)).parameters
+        _require(
+            all(p in found for p in parameters),
+            f"BatchGenerator.{method} takes {', '.join(parameters)} (found {', '.join(found) or 'none'})",
+        )
+
+
+# ---- cache state layouts: agent_cache builds caches from `state`, cache_tensors writes it out ----
+
+
+def check_cache_states() -> None:
+    keys = mx.zeros((1, 1, 4, 2))
+    full = KVCache()
+    full.state = (keys, keys, 3)
+    _require(
+        len(full.state) == 3 and full.offset == 3,
+        "KVCache.state is (keys, values, offset) and setting it sets the offset",
+    )
+    sliding = RotatingKVCache(max_size=4)
+    sliding.state = (keys, keys, 2, 0, 4, 2)
+    _require(
+        len(sliding.state) == 6 and (sliding.offset, sliding.keep, sliding.max_size) == (2, 0, 4),
+        "RotatingKVCache.state is (keys, values, offset, keep, max_size, idx)",
+    )
+    _require(
+        hasattr(QuantizedKVCache(), "bits") and not hasattr(full, "bits"),
+        "quantized KV caches, and only they, have `bits` (the CPU attention hook leaves them to mlx-lm)",
+    )
+
+
+def check_responses() -> None:
+    for response, fields in (
+        (GenerationBatch.Response, {"uid", "token", "finish_reason", "prompt_cache", "all_tokens"}),
+        (PromptProcessingBatch.Response, {"uid", "progress", "end_of_prompt"}),
+    ):
+        found = (
+            {f.name for f in dataclasses.fields(response)} if dataclasses.is_dataclass(response) else set()
+        )
+        _require(fields <= found, f"{response.__qualname__} has fields {', '.join(sorted(fields))}")
+
+
+# ---- the CPU attention hook: mlx-lm's model modules call a module-global we replace ----
+
+_engine_thread = threading.local()
+
+
+@contextmanager
+def cpu_attention_on_this_thread() -> Iterator[None]:
+    """Let the installed hook use our attention on the calling thread (the engine thread) only;
+    every other thread gets mlx-lm's own function, bit for bit."""
+    previous = getattr(_engine_thread, "enabled", False)
+    _engine_thread.enabled = True
+    try:
+        yield
+    finally:
+        _engine_thread.enabled = previous
+
+
+def check_attention(function: Callable[..., Any]) -> None:
+    found = tuple(inspect.signature(function).parameters)
+    _require(
+        found == ATTENTION_PARAMETERS,
+        f"mlx_lm.models.base.scaled_dot_product_attention takes ({', '.join(ATTENTION_PARAMETERS)}), "
+        f"not ({', '.join(found)})",
+    )
+
+
+def _hook(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    @functools.wraps(original)
+    def scaled_dot_product_attention(
+        queries: mx.array,
+        keys: Any,
+        values: Any,
+        cache: Any,
+        scale: float,
+        mask: mx.array | str | None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        if (
+            not getattr(_engine_thread, "enabled", False)
+            or sinks is not None
+            or hasattr(cache, "bits")
+            or queries.shape[2] == 1  # one query: the fused kernel is already cheap
+        ):
+            return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        return cpu_attention.attention(queries, keys, values, scale, mask)
+
+    return scaled_dot_product_attention
+
+
+def install_cpu_attention() -> bool:
+    """Hook `cpu_attention` into every imported mlx-lm model module that uses mlx-lm's own attention,
+    when models run on the CPU; True if hooked. Call after loading a model (its module is then
+    imported), on the engine thread."""
+    if mx.default_device() != mx.cpu or os.environ.get("SEMANTIC_NO_FAST_ATTENTION"):
+        return False
+    description = cpu_attention.describe()
+    hook = _hook(base.scaled_dot_product_attention)
+    for name, module in list(sys.modules.items()):
+        uses_base = getattr(module, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention
+        if name.startswith("mlx_lm.models.") and module is not base and uses_base:
+            setattr(module, "scaled_dot_product_attention", hook)  # noqa: B010 - a module global
+            logger.info("{}: {} on the engine thread", name, description)
+    return True

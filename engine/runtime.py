@@ -1,0 +1,118 @@
+"""A loaded model and what lives exactly as long as it: the block pool, agents' caches, the batch.
+
+Built on the engine thread when a model loads and dropped when it unloads; the cache commands'
+answers are computed here, on the engine thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+from loguru import logger
+from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import make_prompt_cache
+
+from semantic.engine import mlx_seams
+from semantic.engine.agent_cache import AgentCacheStore, CacheSnapshot, is_anonymous
+from semantic.engine.batch import Batch
+from semantic.engine.block_pool import BlockPool
+from semantic.engine.cache_tensors import SerializedCache, from_tensors, to_tensors
+from semantic.engine.commands import CachedAgent, PoolReport
+from semantic.engine.config import EngineConfig, EngineStats
+from semantic.engine.loading import LoadedModel, load_model
+from semantic.engine.outbox import Outbox
+
+
+@dataclass(slots=True)
+class Runtime:
+    loaded: LoadedModel
+    pool: BlockPool
+    store: AgentCacheStore
+    batch: Batch
+
+    @classmethod
+    def load(
+        cls,
+        source: str,
+        name: str | None,
+        config: EngineConfig,
+        stream: mx.Stream,
+        stats: EngineStats,
+        outbox: Outbox,
+    ) -> Runtime:
+        """Load a model and check mlx-lm's internals we rely on; call on the engine thread."""
+        mlx_seams.check_version()
+        loaded = load_model(source, config.block_size, config.default_dtype, name)
+        mlx_seams.check_seams(loaded.model)
+        mlx_seams.install_cpu_attention()
+        spec = loaded.spec
+        pool = BlockPool.from_budget(config.cache_budget_mb * 2**20, spec.bytes_per_block, spec.block_size)
+        model = loaded.model
+        store = AgentCacheStore(spec, pool, lambda: make_prompt_cache(model))
+        batch = Batch(loaded, pool, store, config, stream, stats, outbox)
+        logger.info(
+            "loaded {} ({} layers, {} KV heads, head dim {}, {}); pool {} blocks of {} tokens = {:.0f} MiB",
+            loaded.name,
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.dtype,
+            pool.num_blocks,
+            spec.block_size,
+            pool.budget_bytes / 2**20,
+        )
+        return cls(loaded, pool, store, batch)
+
+    def take_evicted(self) -> list[CacheSnapshot]:
+        evicted, self.store.evicted = self.store.evicted, []
+        return evicted
+
+    def needs_restore(self, agent_id: str, fingerprint: str) -> bool:
+        return self.loaded.fingerprint == fingerprint and agent_id not in self.store.agents
+
+    def restore(self, cache: SerializedCache) -> None:
+        spec = self.loaded.spec
+        snapshot = from_tensors(cache, spec.dtype, len(spec.full_layer_ids), len(spec.sliding_layer_ids))
+        self.store.restore(snapshot)
+
+    def take(self, agent_id: str) -> SerializedCache | None:
+        agent = self.store.agents.get(agent_id)
+        if agent is None or agent.num_running:
+            return None
+        serialized = to_tensors(self.store.snapshot(agent_id))
+        self.store.drop(agent_id)
+        return serialized
+
+    def snapshot_named(self) -> list[SerializedCache]:
+        return [to_tensors(self.store.snapshot(a)) for a in list(self.store.agents) if not is_anonymous(a)]
+
+    def list_caches(self, agent_id: str | None) -> list[CachedAgent]:
+        agents = self.store.agents
+        if agent_id is None:
+            cached = list(agents.values())
+        else:
+            cached = [agents[agent_id]] if agent_id in agents else []
+        now = time.monotonic()
+        return [CachedAgent(a.agent_id, a.num_tokens, now - a.last_used) for a in cached]
+
+    def inspect(self) -> PoolReport:
+        pool = self.pool
+        agents = self.store.agents.values()
+        return PoolReport(
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            used_bytes=pool.used_bytes,
+            num_running=len(self.batch),
+            num_in_batch=self.batch.num_generating,
+            ref_counts=sorted(b.ref_count for b in pool.blocks if b.ref_count),
+            agent_id_to_block_ids={a.agent_id: list(a.block_ids) for a in agents},
+            agent_id_to_num_tokens={a.agent_id: a.num_tokens for a in agents},
+        )
+
+    def reference_generate(self, prompt_tokens: list[int], max_tokens: int) -> list[int]:
+        """Greedy tokens from mlx-lm's own single-sequence loop, outside the batch (a test oracle)."""
+        loaded = self.loaded
+        steps = stream_generate(loaded.model, loaded.tokenizer, prompt_tokens, max_tokens=max_tokens)
+        return [step.token for step in steps if step.token not in loaded.eos_token_ids]

@@ -1,0 +1,98 @@
+"""Requests waiting for a batch slot, and which of them join the batch at each tick.
+
+A new prompt batch starts only once the last one is prefilled; waiting requests go in by the
+tokens they still have to prefill, fewest first, and each joins with its KV blocks reserved up
+front (idle agents' caches are evicted, least recently used first, to make room).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from loguru import logger
+
+from semantic.engine.agent_cache import AgentCacheStore
+from semantic.engine.commands import Submit
+from semantic.engine.config import EngineConfig
+from semantic.engine.errors import ModelChangedError
+from semantic.engine.outbox import Outbox
+from semantic.engine.runtime import Runtime
+
+
+class Scheduler:
+    def __init__(self) -> None:
+        self.waiting: deque[Submit] = deque()
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def add(self, submit: Submit) -> None:
+        self.waiting.append(submit)
+
+    def cancel(self, request_id: str) -> Submit | None:
+        """Take a waiting request out of the queue; None if it is not waiting."""
+        for submit in self.waiting:
+            if submit.request.request_id == request_id:
+                self.waiting.remove(submit)
+                return submit
+        return None
+
+    def take_all(self) -> list[Submit]:
+        waiting = list(self.waiting)
+        self.waiting.clear()
+        return waiting
+
+    def admit(self, runtime: Runtime, config: EngineConfig, outbox: Outbox) -> None:
+        """Insert waiting requests into the batch while slots and blocks allow; post refusals."""
+        batch = runtime.batch
+        slots = min(config.max_batch_size - len(batch), config.num_prefilled_together)
+        # Holding prompts while a batch prefills also lets the order below pick among all that arrived.
+        if not self.waiting or slots <= 0 or batch.is_prefilling:
+            return
+        pool = runtime.pool
+        spec = runtime.loaded.spec
+        for submit in self._admission_order(runtime.store, config.shortest_first_max_wait_s):
+            if slots <= 0:
+                return
+            request = submit.request
+            needed = spec.num_blocks_for(len(request.prompt_tokens) + request.sampling.max_tokens)
+            refusal: Exception | None = None
+            if request.model_fingerprint not in (None, runtime.loaded.fingerprint):
+                refusal = ModelChangedError("the model changed while the request waited")
+            elif needed > pool.num_blocks:
+                refusal = ValueError(
+                    f"request needs {needed} KV blocks ({len(request.prompt_tokens)} prompt + "
+                    f"{request.sampling.max_tokens} new tokens) but the cache budget holds {pool.num_blocks}"
+                )
+            if refusal is not None:
+                self.waiting.remove(submit)
+                outbox.post(submit.events, refusal)
+                continue
+            if not pool.can_allocate(needed):
+                evicted = runtime.store.evict_until(needed)
+                if evicted:
+                    logger.info("evicted {} agent caches to free {} blocks", len(evicted), needed)
+                if not pool.can_allocate(needed):
+                    return
+            self.waiting.remove(submit)
+            slots -= 1
+            try:
+                batch.insert(submit, pool.allocate(needed))
+            except Exception as error:
+                logger.exception("request {} failed at admission", request.request_id)
+                outbox.post(submit.events, error)
+
+    def _admission_order(self, store: AgentCacheStore, max_wait_s: float) -> list[Submit]:
+        """Waiting requests by the tokens they still have to prefill, fewest first, so a returning
+        agent's short turn is not queued behind cold prompts; past `max_wait_s` a request goes
+        ahead in arrival order, so none waits forever."""
+        now = time.monotonic()
+        overdue = [s for s in self.waiting if now - s.queued_at >= max_wait_s]
+        rest = [s for s in self.waiting if now - s.queued_at < max_wait_s]
+
+        def uncached(submit: Submit) -> int:
+            prompt = submit.request.prompt_tokens
+            return len(prompt) - store.num_reusable(submit.request.agent_id, prompt)
+
+        return overdue + sorted(rest, key=uncached)

@@ -1,0 +1,206 @@
+"""The Anthropic Messages request as Claude Code and the SDKs send it, and its conversion to a turn.
+
+What Claude Code sends is accepted as it is: system blocks with `cache_control`, system messages
+mid-conversation, tool results as strings or blocks, thinking blocks echoed back, and top-level
+fields we have no use for. Volatile system lines (the per-request billing header) are dropped
+before rendering so consecutive turns share their cached prefix.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+
+from semantic.actors.turns import ToolChoice as TurnToolChoice
+from semantic.actors.turns import UnsupportedContentError
+from semantic.engine.chat_format import ChatMessage
+
+_VOLATILE_LINES = re.compile(r"^x-anthropic-billing-header:.*(?:\n|$)", re.MULTILINE)
+
+
+class TextBlock(msgspec.Struct, tag="text", tag_field="type"):
+    text: str
+
+
+class ImageBlock(msgspec.Struct, tag="image", tag_field="type"):
+    source: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class DocumentBlock(msgspec.Struct, tag="document", tag_field="type"):
+    source: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type"):
+    id: str
+    name: str
+    input: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type"):
+    tool_use_id: str
+    content: str | list[TextBlock | ImageBlock | DocumentBlock] | None = None
+    is_error: bool = False
+
+
+class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type"):
+    thinking: str = ""
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(msgspec.Struct, tag="redacted_thinking", tag_field="type"):
+    data: str = ""
+
+
+ContentBlock = (
+    TextBlock
+    | ImageBlock
+    | DocumentBlock
+    | ToolUseBlock
+    | ToolResultBlock
+    | ThinkingBlock
+    | RedactedThinkingBlock
+)
+
+
+class Message(msgspec.Struct):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[ContentBlock]
+
+
+class Tool(msgspec.Struct):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] = msgspec.field(default_factory=dict)
+    type: str | None = None
+
+
+class ToolChoice(msgspec.Struct):
+    type: Literal["auto", "any", "tool", "none"] = "auto"
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class MessagesRequest(msgspec.Struct):
+    messages: list[Message]
+    model: str | None = None
+    max_tokens: int | None = None
+    system: str | list[TextBlock] | None = None
+    stream: bool = False
+    stop_sequences: list[str] = msgspec.field(default_factory=list)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[Tool] = msgspec.field(default_factory=list)
+    tool_choice: ToolChoice | None = None
+
+
+def system_text(system: str | list[TextBlock] | None) -> str | None:
+    if system is None:
+        return None
+    text = system if isinstance(system, str) else "\n\n".join(block.text for block in system)
+    return _VOLATILE_LINES.sub("", text).strip("\n") or None
+
+
+def _text_of(blocks: str | list[Any] | None) -> str:
+    if blocks is None or isinstance(blocks, str):
+        return blocks or ""
+    texts = []
+    for block in blocks:
+        if isinstance(block, ImageBlock | DocumentBlock):
+            raise UnsupportedContentError(_NO_VISION)
+        texts.append(block.text)
+    return "\n".join(texts)
+
+
+_NO_VISION = "image and document blocks are not supported: the served model reads text only"
+
+
+def to_chat_messages(body: MessagesRequest) -> list[ChatMessage]:
+    """Anthropic messages in the chat-template form (tool results become `tool` turns)."""
+    chat: list[ChatMessage] = []
+    system = system_text(body.system)
+    if system:
+        chat.append({"role": "system", "content": system})
+    for message in body.messages:
+        if isinstance(message.content, str):
+            chat.append({"role": message.role, "content": message.content})
+            continue
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for block in message.content:
+            match block:
+                case TextBlock(text=text):
+                    texts.append(text)
+                case ToolUseBlock(id=call_id, name=name, input=arguments):
+                    calls.append(
+                        {
+                            "id": call_id,
+                            "type": "function",
+                            "function": {"name": name, "arguments": arguments},
+                        }
+                    )
+                case ToolResultBlock(tool_use_id=call_id, content=content, is_error=is_error):
+                    result = _text_of(content)
+                    chat.append(
+                        {
+                            "role": "tool",
+                            "tool_call_id": call_id,
+                            "content": f"Error: {result}" if is_error else result,
+                        }
+                    )
+                case ImageBlock() | DocumentBlock():
+                    raise UnsupportedContentError(_NO_VISION)
+                case ThinkingBlock() | RedactedThinkingBlock():
+                    pass  # our models' reasoning is not replayed; keeps the prompt stable
+        if message.role == "assistant":
+            if texts or calls:
+                entry: ChatMessage = {"role": "assistant", "content": "".join(texts)}
+                if calls:
+                    entry["tool_calls"] = calls
+                chat.append(entry)
+        elif texts:
+            chat.append({"role": message.role, "content": "\n\n".join(texts)})
+    return chat
+
+
+def tool_schemas(tools: list[Tool]) -> list[dict[str, Any]] | None:
+    """Client tools as JSON-schema function specs; server tools (no schema) are left out."""
+    specs = [
+        {
+            "type": "function",
+            "function": {
+                "name": tool.name,
+                "description": tool.description or "",
+                "parameters": tool.input_schema,
+            },
+        }
+        for tool in tools
+        if tool.input_schema
+    ]
+    return specs or None
+
+
+def tool_choice(choice: ToolChoice | None) -> TurnToolChoice:
+    if choice is None or choice.type == "auto":
+        return TurnToolChoice()
+    if choice.type == "none":
+        return TurnToolChoice("none")
+    return TurnToolChoice("required", choice.name if choice.type == "tool" else None)
+
+
+def split_prefill(messages: list[ChatMessage]) -> str:
+    """A final assistant message is a prefill: the reply continues it (it is not echoed back)."""
+    last = messages[-1] if messages else None
+    if (
+        last
+        and last["role"] == "assistant"
+        and isinstance(last.get("content"), str)
+        and not last.get("tool_calls")
+    ):
+        return str(messages.pop()["content"])
+    return ""
+
+
+decode_request = msgspec.json.Decoder(MessagesRequest).decode

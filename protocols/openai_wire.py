@@ -1,0 +1,128 @@
+"""The OpenAI chat completions request as the SDK sends it, and its conversion to chat messages."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import msgspec
+
+from semantic.actors.turns import ToolChoice
+from semantic.engine.chat_format import ChatMessage as TemplateMessage
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionSpec(msgspec.Struct):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ToolSpec(msgspec.Struct):
+    function: FunctionSpec
+    type: str = "function"
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    function: NamedFunction
+    type: str = "function"
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(msgspec.Struct):
+    messages: list[ChatMessage]
+    model: str = "default"
+    stream: bool = False
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    session_id: str | None = None
+    stream_options: StreamOptions | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # vLLM's extension: the final assistant message is a prefill the reply continues.
+    continue_final_message: bool = False
+
+
+def _text_of(message: ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    return "".join(part.text or "" for part in message.content if part.type == "text")
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def to_chat_messages(messages: list[ChatMessage]) -> list[TemplateMessage]:
+    chat: list[TemplateMessage] = []
+    for message in messages:
+        entry: TemplateMessage = {"role": message.role, "content": _text_of(message)}
+        if message.tool_calls:
+            entry["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in message.tool_calls
+            ]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        chat.append(entry)
+    return chat
+
+
+def tool_choice(body: ChatCompletionRequest) -> ToolChoice:
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        return ToolChoice("required", choice.function.name)
+    if choice == "required":
+        return ToolChoice("required")
+    if choice == "none":
+        return ToolChoice("none")
+    return ToolChoice()
+
+
+decode_request = msgspec.json.Decoder(ChatCompletionRequest).decode

@@ -1,0 +1,175 @@
+"""One turn, whatever the protocol: bounds, admission, the agent's actor, streaming, errors, cleanup.
+
+A protocol handler parses its body into a `TurnRequest` and says how to render the turn's events
+(a `TurnReply`); everything else lives here once: the request bounds and admission (429), handing
+the turn to its agent actor, reading the engine's events as reasoning, text and tool-call parts,
+keep-alive pings, waiting for the turn to be durable before the last event, errors (raised before
+the first byte, in-band after it) and cancelling the generation however the handler ends,
+including a client that disconnects before the first read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from aiohttp import web
+
+from semantic.actors.turns import TurnRequest, TurnStarted
+from semantic.engine.messages import Event, Finished, PromptProgress, PromptStarted, TokenDelta
+from semantic.engine.sampling import SamplingParams
+from semantic.protocols.common import SETTINGS_KEY, SYSTEM_KEY, SseWriter, json_response
+from semantic.protocols.errors import ApiError, as_api_error
+from semantic.protocols.observe import admit, check_bounds, watch
+from semantic.protocols.reasoning import ReasoningSplitter, ThinkingEnd, ThinkingPart, prompt_opens_thinking
+from semantic.protocols.tool_parser import ParsedPart, ToolCallParser
+
+KEEPALIVE_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAlive:
+    """No event for KEEPALIVE_S (a long prefill or a queue): a stream sends a ping."""
+
+
+TurnEvent = PromptStarted | PromptProgress | ParsedPart | ThinkingPart | ThinkingEnd | Finished | KeepAlive
+
+
+class TurnReply(Protocol):
+    """How one protocol answers: SSE events as the turn runs, or one JSON body at its end."""
+
+    async def event(self, event: TurnEvent) -> None: ...
+
+    async def error(self, error: ApiError) -> None:
+        """In-band, once a stream has started: the status line is already sent."""
+
+    def body(self) -> object:
+        """The JSON reply of a non-streaming turn, after its Finished event."""
+
+
+ReplyFactory = Callable[[TurnStarted, SseWriter | None], TurnReply]
+
+
+def sampling_params(
+    request: web.Request,
+    *,
+    temperature: float | None,
+    max_tokens: int | None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    stop: tuple[str, ...] = (),
+    seed: int | None = None,
+) -> SamplingParams:
+    """A request's sampling, with the server's defaults for what it leaves out (raises ValueError)."""
+    model = request.app[SETTINGS_KEY].model
+    return SamplingParams(
+        temperature=model.temperature if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=top_k or 0,
+        max_tokens=model.default_max_tokens if max_tokens is None else max_tokens,
+        stop=stop,
+        seed=seed,
+    )
+
+
+async def answer_turn(
+    request: web.Request, turn: TurnRequest, streaming: bool, make_reply: ReplyFactory, ping_frame: bytes
+) -> web.StreamResponse:
+    check_bounds(
+        request,
+        max_tokens=turn.sampling.max_tokens,
+        num_messages=len(turn.messages),
+        num_tools=len(turn.tools or ()),
+    )
+    admit(request, turn.agent_id)
+    started = await request.app[SYSTEM_KEY].start_turn(turn)
+    stream = watch(request, started.stream)
+    sse = SseWriter(request, ping_frame) if streaming else None
+    reply = make_reply(started, sse)
+    try:
+        async for event in turn_events(started):
+            if isinstance(event, Finished):
+                await started.committed  # acknowledge only a durable turn
+            if isinstance(event, KeepAlive):
+                if sse is not None and sse.num_events:
+                    await sse.ping()
+                continue
+            await reply.event(event)
+        if sse is None:
+            return json_response(reply.body())
+        return await sse.close()
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise  # the client left: nothing to answer; `finally` frees the batch slot
+    except Exception as error:
+        api_error = as_api_error(error)
+        if sse is None or not sse.is_open:
+            raise api_error from error
+        await reply.error(api_error)
+        return await sse.close()
+    finally:
+        stream.cancel()
+
+
+async def turn_events(started: TurnStarted) -> AsyncIterator[TurnEvent]:
+    """The engine's events with the reply split into reasoning, text and tool-call parts.
+
+    A forced tool call's opening, written into the prompt, is parsed as if generated, right after
+    the prompt starts; a reply that starts inside a `<think>` block begins as reasoning.
+    """
+    prompt = started.prompt
+    parser = ToolCallParser(enabled=prompt.parses_tools)
+    reasoning = None if prompt.reply_prefix else ReasoningSplitter(prompt_opens_thinking(prompt.text_tail))
+
+    def split(text: str, final: bool = False) -> list[TurnEvent]:
+        pieces = (reasoning.finish() if final else reasoning.feed(text)) if reasoning else [text]
+        parts: list[TurnEvent] = []
+        for piece in pieces:
+            parts += parser.feed(piece) if isinstance(piece, str) else [piece]
+        return parts + (list(parser.finish()) if final else [])
+
+    async for event in _with_keepalives(started):
+        match event:
+            case TokenDelta(text=text):
+                for part in split(text):
+                    yield part
+            case Finished():
+                for part in split("", final=True):
+                    yield part
+                yield event
+            case PromptStarted():
+                yield event
+                for part in parser.feed(prompt.reply_prefix):
+                    yield part
+            case PromptProgress() | KeepAlive():
+                yield event
+
+
+async def _with_keepalives(started: TurnStarted) -> AsyncIterator[Event | KeepAlive]:
+    """The stream's events, with a KeepAlive after each KEEPALIVE_S without one."""
+    inbox: asyncio.Queue[Event | None] = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for event in started.stream:
+                inbox.put_nowait(event)
+        except Exception as error:
+            inbox.put_nowait(error)
+        inbox.put_nowait(None)
+
+    pumping = asyncio.get_running_loop().create_task(pump())
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(inbox.get(), KEEPALIVE_S)
+            except TimeoutError:
+                yield KeepAlive()
+                continue
+            if event is None:
+                return
+            if isinstance(event, BaseException):
+                raise event
+            yield event
+    finally:
+        pumping.cancel()

@@ -1,0 +1,265 @@
+"""The built wheel, installed (not editable) into a fresh venv, is one package, `semantic`, typed.
+
+Everything runs from a directory outside the checkout with PYTHONPATH cleared, so nothing can be
+picked up from the source tree: the wheel holds only `semantic` (engine/, actors/, protocols/ and
+storage/ inside it, plus py.typed), the bare names `engine`, `actors`, ... do not import, the public
+API imports from the venv, and mypy type-checks against the installed package through its py.typed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import site
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.server_process import ROOT
+
+FOLDERS = ("engine", "actors", "protocols", "storage")
+PUBLIC_API = ("AgentSystem", "SystemConfig", "SamplingParams")
+# Build outputs and caches at the top of the checkout, left out of the snapshot the wheel is built from.
+TOP_LEVEL_SKIP = {".venv", ".git", "build", "dist", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
+TOP_LEVEL_SKIP |= {".hypothesis", ".schemathesis"}
+
+
+def _clean_env() -> dict[str, str]:
+    """The environment without PYTHON*/MYPY* variables or an active venv, and no user site."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(("PYTHON", "MYPY")) and key not in {"VIRTUAL_ENV", "__PYVENV_LAUNCHER__"}
+    }
+    env["PYTHONNOUSERSITE"] = "1"
+    return env
+
+
+def _run(
+    cmd: Sequence[str | Path], cwd: Path, what: str, ok_codes: Sequence[int] = (0,), timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    args = [str(part) for part in cmd]
+    proc = subprocess.run(args, cwd=cwd, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode in ok_codes, (
+        f"{what} exited with {proc.returncode} (expected {list(ok_codes)})\n"
+        f"command: {args}\ncwd: {cwd}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+    )
+    return proc
+
+
+def _inside(path: str | Path, parent: Path) -> bool:
+    return Path(path).resolve().is_relative_to(parent.resolve())
+
+
+def _snapshot_ignore(directory: str, names: list[str]) -> set[str]:
+    skipped = {name for name in names if name == "__pycache__" or name.endswith(".pyc")}
+    if Path(directory).resolve() == ROOT:
+        skipped |= {name for name in names if name in TOP_LEVEL_SKIP or name.endswith(".egg-info")}
+    return skipped
+
+
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A working directory outside the checkout."""
+    path = tmp_path_factory.mktemp("outside")
+    assert not _inside(path, ROOT), f"pytest's temporary directory {path} is inside the checkout {ROOT}"
+    return path
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A snapshot of the checkout (links kept as links) without build outputs or caches.
+
+    Building in place would write build/ and *.egg-info into the checkout, and setuptools would pack
+    whatever stale files an earlier build left in build/lib; a clean copy gives neither.
+    """
+    snapshot = tmp_path_factory.mktemp("source") / "semantic-src"
+    shutil.copytree(ROOT, snapshot, symlinks=True, ignore=_snapshot_ignore)
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def wheel(source: Path, outside: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dist = tmp_path_factory.mktemp("dist")
+    cmd: list[str | Path] = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", dist, source]
+    _run(cmd, outside, "pip wheel")
+    wheels = sorted(dist.glob("*.whl"))
+    assert len(wheels) == 1, f"expected one wheel in {dist}, found {[w.name for w in wheels]}"
+    return wheels[0]
+
+
+@dataclass(frozen=True)
+class Venv:
+    root: Path
+    python: Path
+    site_packages: Path
+
+
+def _pip_has_python_option() -> bool:
+    major, minor = (int(part) for part in re.findall(r"\d+", version("pip"))[:2])
+    return (major, minor) >= (22, 3)
+
+
+@pytest.fixture(scope="module")
+def venv(wheel: Path, outside: Path, tmp_path_factory: pytest.TempPathFactory) -> Venv:
+    """A fresh venv with the wheel installed, seeing this interpreter's packages through a .pth."""
+    root = tmp_path_factory.mktemp("venv") / "env"
+    _run([sys.executable, "-m", "venv", "--without-pip", root], outside, "python -m venv")
+    python = root / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    probe = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site_packages = Path(_run([python, "-c", probe], outside, "venv python").stdout.strip())
+    assert _inside(site_packages, root), f"venv site-packages {site_packages} is not under {root}"
+
+    # Install before the .pth exists, so pip sees an empty environment (this interpreter's
+    # site-packages holds the editable install's semantic dist-info, which pip would otherwise
+    # take as "already installed").
+    install: list[str | Path]
+    if _pip_has_python_option():
+        install = [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", wheel]
+    else:
+        install = [sys.executable, "-m", "pip", "install", "--no-deps", "--target", site_packages, wheel]
+    _run(install, outside, "pip install")
+
+    # Dependencies (mlx, aiohttp, mypy, ...) come from this interpreter's site-packages. A plain path
+    # line in a .pth is appended to sys.path, and the .pth files in that directory (the editable
+    # install's finder among them) are not run, so `semantic` can only come from the venv.
+    paths = sysconfig.get_paths()
+    ours = dict.fromkeys([*site.getsitepackages(), paths["purelib"], paths["platlib"]])
+    (site_packages / "_test_install_deps.pth").write_text("".join(f"{path}\n" for path in ours))
+    return Venv(root, python, site_packages)
+
+
+PROBE = """
+import importlib, json, sys, traceback
+
+result = {"sys_path": sys.path, "bare": {}, "files": {}}
+for name in NAMES:
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        result["bare"][name] = {"error": "ModuleNotFoundError", "missing": exc.name}
+    except BaseException as exc:
+        result["bare"][name] = {"error": type(exc).__name__, "detail": traceback.format_exc()}
+    else:
+        result["bare"][name] = {"error": None, "file": getattr(module, "__file__", None)}
+import semantic
+result["files"]["semantic"] = semantic.__file__
+for name in NAMES:
+    result["files"]["semantic." + name] = importlib.import_module("semantic." + name).__file__
+try:
+    from semantic import AgentSystem, SystemConfig, SamplingParams
+except BaseException:
+    result["api_error"] = traceback.format_exc()
+else:
+    result["api_error"] = None
+result["all"] = getattr(semantic, "__all__", None)
+print(json.dumps(result))
+"""
+
+
+@pytest.fixture(scope="module")
+def probe(venv: Venv, outside: Path) -> dict[str, Any]:
+    """What the venv's python imports, run from outside the checkout."""
+    script = outside / "probe_imports.py"
+    script.write_text(f"NAMES = {FOLDERS!r}\n{PROBE}")
+    proc = _run([venv.python, script], outside, "import probe in the venv")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_wheel_holds_only_the_semantic_package(wheel: Path, source: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        names = [name for name in archive.namelist() if not name.endswith("/")]
+        dist_info = next((n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")), None)
+        assert dist_info is not None, f"no .dist-info in {wheel.name}: {names}"
+        top_level_txt = archive.read(f"{dist_info}/top_level.txt").decode().split()
+    listing = "\n".join(names)
+
+    top = {name.split("/")[0] for name in names}
+    assert top == {"semantic", dist_info}, f"top-level entries {sorted(top)} in {wheel.name}:\n{listing}"
+    assert top_level_txt == ["semantic"], f"{dist_info}/top_level.txt lists {top_level_txt}"
+    assert "semantic/py.typed" in names, f"no semantic/py.typed in {wheel.name}:\n{listing}"
+    assert "semantic/__init__.py" in names, f"no semantic/__init__.py in {wheel.name}:\n{listing}"
+    for folder in FOLDERS:
+        expected = {
+            f"semantic/{folder}/{path.relative_to(source / folder).as_posix()}"
+            for path in (source / folder).rglob("*.py")
+        }
+        packed = {name for name in names if name.startswith(f"semantic/{folder}/") and name.endswith(".py")}
+        assert f"semantic/{folder}/__init__.py" in packed, f"semantic/{folder} missing from:\n{listing}"
+        assert packed == expected, (
+            f"semantic/{folder} in the wheel differs from {folder}/ in the source: "
+            f"missing {sorted(expected - packed)}, extra {sorted(packed - expected)}"
+        )
+
+
+def test_bare_folder_names_do_not_import(probe: dict[str, Any]) -> None:
+    for name in FOLDERS:
+        outcome = probe["bare"][name]
+        assert outcome == {"error": "ModuleNotFoundError", "missing": name}, (
+            f"`import {name}` in the installed venv should raise ModuleNotFoundError for {name!r}, "
+            f"got {outcome}\nsys.path: {probe['sys_path']}"
+        )
+
+
+def test_semantic_imports_from_the_venv_not_the_checkout(probe: dict[str, Any], venv: Venv) -> None:
+    for module, file in probe["files"].items():
+        assert file is not None, f"{module} has no __file__"
+        assert _inside(file, venv.site_packages), (
+            f"{module} imported from {file}, not from the venv's {venv.site_packages}"
+        )
+        assert not _inside(file, ROOT), f"{module} imported from the checkout: {file}"
+
+
+def test_public_api_imports_from_the_installed_package(probe: dict[str, Any]) -> None:
+    assert probe["api_error"] is None, (
+        f"`from semantic import {', '.join(PUBLIC_API)}` failed in the installed venv:\n{probe['api_error']}"
+    )
+    exported = probe["all"]
+    assert isinstance(exported, list), f"semantic.__all__ is {exported!r}"
+    missing = [name for name in PUBLIC_API if name not in exported]
+    assert not missing, f"semantic.__all__ lacks {missing}: {exported}"
+
+
+MYPY_PROBE = """\
+from semantic import SystemConfig
+
+
+def as_int(config: SystemConfig) -> int:
+    wrong: int = config
+    return wrong
+"""
+MYPY_EXPECTED = re.compile(
+    r'^check_typed\.py:5: error: Incompatible types in assignment \(expression has type "[\w.]+", '
+    r'variable has type "int"\)\s+\[assignment\]$'
+)
+
+
+def test_mypy_uses_the_installed_py_typed(venv: Venv, outside: Path) -> None:
+    workdir = outside / "mypy-check"
+    workdir.mkdir()
+    (workdir / "check_typed.py").write_text(MYPY_PROBE)
+    (workdir / "mypy.ini").write_text("[mypy]\n")  # the defaults, not whatever config is around
+    cache = workdir / ".mypy_cache"
+    cmd: list[str | Path] = [venv.python, "-m", "mypy", "--config-file", "mypy.ini", "--cache-dir", cache]
+    cmd += ["--show-error-codes", "--no-pretty", "--no-color-output", "check_typed.py"]
+    proc = _run(cmd, workdir, "mypy", ok_codes=(0, 1))
+    output = f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+
+    for untyped in ("py.typed", "import-untyped", "import-not-found", "missing library stubs"):
+        assert untyped not in proc.stdout, f"mypy did not see semantic as typed ({untyped!r}):\n{output}"
+    errors = [line for line in proc.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1 and MYPY_EXPECTED.match(errors[0]), (
+        f"expected exactly mypy's assignment error on check_typed.py line 5:\n{output}"
+    )
+    assert proc.returncode == 1, f"mypy exited with {proc.returncode}:\n{output}"

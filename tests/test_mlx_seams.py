@@ -1,0 +1,51 @@
+"""mlx-lm's internals that semantic relies on: all hold for the installed version, and a broken one
+is named when it fails."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from semantic.engine import mlx_seams
+from semantic.engine.mlx_seams import SeamError
+
+
+def test_the_installed_mlx_lm_meets_every_assumption() -> None:
+    assert mlx_seams.check_version()
+    mlx_seams.check_seams()
+
+
+def test_a_version_outside_the_written_range_is_reported() -> None:
+    assert mlx_seams.check_version("0.32.9")
+    assert not mlx_seams.check_version("0.33.0")
+    assert not mlx_seams.check_version("1.0")
+
+
+def test_a_generator_missing_an_attribute_fails_naming_it() -> None:
+    class StandIn:  # a BatchGenerator whose prompt queue was renamed
+        def __init__(self) -> None:
+            self._unprocessed_sequences: deque[object] = deque()
+            self._generation_batch: list[object] = []
+
+    with pytest.raises(SeamError, match="BatchGenerator has an attribute `_currently_processing`"):
+        mlx_seams.check_generator(StandIn())
+
+
+def test_a_generator_whose_insert_lost_a_parameter_fails_naming_it() -> None:
+    class StandIn:
+        _currently_processing = _unprocessed_sequences = _generation_batch = ()
+
+        def insert(self, prompts: object, max_tokens: object, caches: object) -> None: ...
+        def remove(self, uids: object, return_prompt_caches: bool = False) -> None: ...
+        def extract_cache(self, uids: object) -> None: ...
+
+    with pytest.raises(SeamError, match=r"BatchGenerator.insert takes .*all_tokens"):
+        mlx_seams.check_generator(StandIn())
+
+
+def test_a_changed_attention_signature_fails_naming_it() -> None:
+    def scaled_dot_product_attention(queries: object, keys: object, values: object, scale: float) -> None: ...
+
+    with pytest.raises(SeamError, match=r"scaled_dot_product_attention takes \(queries, keys, values, cache"):
+        mlx_seams.check_attention(scaled_dot_product_attention)
