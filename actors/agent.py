@@ -257,7 +257,11 @@ class AgentActor:
         cache = await persistence.load(agent_id)
         if cache is None:
             return False
-        return await self._engine.ask(RestoreCache(cache, fingerprint))
+        try:
+            return await self._engine.ask(RestoreCache(cache, fingerprint))
+        except Exception as error:  # a file that passed its checks and still does not fit
+            await persistence.quarantine(agent_id, f"could not restore it: {error}")
+            return False
 
     async def _evict(self) -> bool:
         """Write the agent's cache to disk and free its blocks; False if it had none in memory."""

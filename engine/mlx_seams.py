@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 import os
 import sys
@@ -20,13 +21,15 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm
 from loguru import logger
-from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import base
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from semantic.engine import cpu_attention
 
 WRITTEN_FOR = (0, 32)  # mlx-lm 0.32.x
+# The module, not the `mlx_lm.generate` function that the package exports under the same name.
+_generate_module = importlib.import_module("mlx_lm.generate")
 ATTENTION_PARAMETERS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
 
 
@@ -34,11 +37,16 @@ class SeamError(RuntimeError):
     """An assumption semantic makes about mlx-lm's internals does not hold for the installed version."""
 
 
-def _require(condition: bool, assumption: str) -> None:
-    if not condition:
+def _require(assumption: str, holds: Callable[..., bool], *args: Any) -> None:
+    """Raise SeamError naming `assumption` unless `holds(*args)` is true (raising counts as false)."""
+    try:
+        ok, detail = holds(*args), ""
+    except Exception as error:
+        ok, detail = False, f" ({type(error).__name__}: {error})"
+    if not ok:
         raise SeamError(
-            f"mlx-lm {mlx_lm.__version__} breaks an assumption semantic relies on: {assumption} "
-            f"(written for mlx-lm {WRITTEN_FOR[0]}.{WRITTEN_FOR[1]}.x; see engine/mlx_seams.py)"
+            f"mlx-lm {mlx_lm.__version__} breaks an assumption semantic relies on: {assumption}{detail}; "
+            f"written for mlx-lm {WRITTEN_FOR[0]}.{WRITTEN_FOR[1]}.x, see engine/mlx_seams.py"
         )
 
 
@@ -91,20 +99,22 @@ def check_generator(generator: Any) -> None:
         ("_unprocessed_sequences", "is_prefilling() reads it to hold prompts while a batch prefills"),
         ("_generation_batch", "num_generating() reads its length for pool reports"),
     ):
-        _require(hasattr(generator, name), f"BatchGenerator has an attribute `{name}` ({use})")
+        _require(f"BatchGenerator has an attribute `{name}` ({use})", hasattr, generator, name)
         _require(
-            len(getattr(generator, name)) == 0,
             f"a fresh BatchGenerator's `{name}` is an empty sized collection ({use})",
+            lambda value: len(value) == 0,
+            getattr(generator, name),
         )
     for method, parameters in (
         ("insert", ("prompts", "max_tokens", "caches", "all_tokens", "samplers")),
         ("remove", ("uids", "return_prompt_caches")),
         ("extract_cache", ("uids",)),
     ):
-        found = inspect.signature(getattr(generator, method, None) or (lambda: None)).parameters
         _require(
-            all(p in found for p in parameters),
-            f"BatchGenerator.{method} takes {', '.join(parameters)} (found {', '.join(found) or 'none'})",
+            f"BatchGenerator.{method} takes {', '.join(parameters)}",
+            lambda function, names: set(names) <= set(inspect.signature(function).parameters),
+            getattr(generator, method, None),
+            parameters,
         )
 
 
@@ -113,33 +123,37 @@ def check_generator(generator: Any) -> None:
 
 def check_cache_states() -> None:
     keys = mx.zeros((1, 1, 4, 2))
-    full = KVCache()
-    full.state = (keys, keys, 3)
+
+    def full_state() -> bool:
+        full = KVCache()
+        full.state = (keys, keys, 3)
+        return len(full.state) == 3 and full.offset == 3
+
+    def sliding_state() -> bool:
+        sliding = RotatingKVCache(max_size=4)
+        sliding.state = (keys, keys, 2, 0, 4, 2)
+        return len(sliding.state) == 6 and (sliding.offset, sliding.keep, sliding.max_size) == (2, 0, 4)
+
+    _require("KVCache.state is (keys, values, offset) and setting it sets the offset", full_state)
+    _require("RotatingKVCache.state is (keys, values, offset, keep, max_size, idx)", sliding_state)
     _require(
-        len(full.state) == 3 and full.offset == 3,
-        "KVCache.state is (keys, values, offset) and setting it sets the offset",
-    )
-    sliding = RotatingKVCache(max_size=4)
-    sliding.state = (keys, keys, 2, 0, 4, 2)
-    _require(
-        len(sliding.state) == 6 and (sliding.offset, sliding.keep, sliding.max_size) == (2, 0, 4),
-        "RotatingKVCache.state is (keys, values, offset, keep, max_size, idx)",
-    )
-    _require(
-        hasattr(QuantizedKVCache(), "bits") and not hasattr(full, "bits"),
         "quantized KV caches, and only they, have `bits` (the CPU attention hook leaves them to mlx-lm)",
+        lambda: hasattr(QuantizedKVCache(), "bits") and not hasattr(KVCache(), "bits"),
     )
 
 
 def check_responses() -> None:
-    for response, fields in (
-        (GenerationBatch.Response, {"uid", "token", "finish_reason", "prompt_cache", "all_tokens"}),
-        (PromptProcessingBatch.Response, {"uid", "progress", "end_of_prompt"}),
+    """The fields the batch reads from `BatchGenerator.next()`'s responses."""
+    for owner, fields in (
+        ("GenerationBatch", {"uid", "token", "finish_reason", "prompt_cache", "all_tokens"}),
+        ("PromptProcessingBatch", {"uid", "progress", "end_of_prompt"}),
     ):
-        found = (
-            {f.name for f in dataclasses.fields(response)} if dataclasses.is_dataclass(response) else set()
+        _require(
+            f"{owner}.Response is a dataclass with fields {', '.join(sorted(fields))}",
+            lambda response, names: names <= {f.name for f in dataclasses.fields(response)},
+            getattr(getattr(_generate_module, owner, None), "Response", None),
+            fields,
         )
-        _require(fields <= found, f"{response.__qualname__} has fields {', '.join(sorted(fields))}")
 
 
 # ---- the CPU attention hook: mlx-lm's model modules call a module-global we replace ----
@@ -160,11 +174,9 @@ def cpu_attention_on_this_thread() -> Iterator[None]:
 
 
 def check_attention(function: Callable[..., Any]) -> None:
-    found = tuple(inspect.signature(function).parameters)
     _require(
-        found == ATTENTION_PARAMETERS,
-        f"mlx_lm.models.base.scaled_dot_product_attention takes ({', '.join(ATTENTION_PARAMETERS)}), "
-        f"not ({', '.join(found)})",
+        f"mlx_lm.models.base.scaled_dot_product_attention takes ({', '.join(ATTENTION_PARAMETERS)})",
+        lambda: tuple(inspect.signature(function).parameters) == ATTENTION_PARAMETERS,
     )
 
 

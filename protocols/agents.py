@@ -132,15 +132,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         messages = [{"role": "user", "content": body.content}]
     else:
         raise ApiError("send `content` (a user message) or `messages`")
-    sampling = sampling_params(
-        request,
-        temperature=body.temperature,
-        max_tokens=body.max_tokens,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        stop=tuple(body.stop),
-        seed=body.seed,
-    )
+    sampling = sampling_params(request, body, body.max_tokens, tuple(body.stop))
     turn = TurnRequest(
         f"turn-{uuid.uuid4().hex}", agent_id, messages, sampling, model=body.model, keeps_conversation=True
     )

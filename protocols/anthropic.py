@@ -20,16 +20,16 @@ from semantic.actors.turns import TurnRequest, TurnStarted, UnsupportedContentEr
 from semantic.engine.messages import Finished, FinishReason, PromptStarted
 from semantic.protocols.anthropic_wire import (
     MessagesRequest,
-    Tool,
     decode_request,
     split_prefill,
     to_chat_messages,
     tool_choice,
+    tool_schemas,
 )
 from semantic.protocols.common import SYSTEM_KEY, SseWriter, json_response
 from semantic.protocols.errors import ApiError
 from semantic.protocols.observe import admit
-from semantic.protocols.pipeline import TurnEvent, TurnReply, answer_turn, sampling_params
+from semantic.protocols.pipeline import CollectedReply, TurnEvent, TurnReply, answer_turn, sampling_params
 from semantic.protocols.reasoning import ThinkingEnd, ThinkingPart
 from semantic.protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallStart
 
@@ -83,23 +83,6 @@ def thinking_signature(thinking: str) -> str:
     return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
 
 
-def tool_specs(tools: list[Tool]) -> list[dict[str, Any]] | None:
-    """Client tools as JSON-schema function specs; server tools (no schema) are left out."""
-    specs = [
-        {
-            "type": "function",
-            "function": {
-                "name": tool.name,
-                "description": tool.description or "",
-                "parameters": tool.input_schema,
-            },
-        }
-        for tool in tools
-        if tool.input_schema
-    ]
-    return specs or None
-
-
 def to_turn(request: web.Request, body: MessagesRequest) -> TurnRequest:
     if not body.messages:
         raise ApiError("messages: at least one message is required")
@@ -107,21 +90,14 @@ def to_turn(request: web.Request, body: MessagesRequest) -> TurnRequest:
     if not messages:
         raise UnsupportedContentError("messages: none has content the model can read (only thinking blocks)")
     prefill = split_prefill(messages)
-    sampling = sampling_params(
-        request,
-        temperature=body.temperature,
-        max_tokens=body.max_tokens,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        stop=tuple(body.stop_sequences),
-    )
+    sampling = sampling_params(request, body, body.max_tokens, tuple(body.stop_sequences))
     return TurnRequest(
         request_id=new_id("msg_"),
         agent_id=agent_id_from(request.headers),
         messages=messages,
         sampling=sampling,
         model=body.model,
-        tools=tool_specs(body.tools),
+        tools=tool_schemas(body.tools),
         tool_choice=tool_choice(body.tool_choice),
         prefill=prefill,
     )
@@ -164,7 +140,7 @@ def _usage(started: PromptStarted | None, num_output: int) -> Usage:
     )
 
 
-class MessageReply:
+class MessageReply(CollectedReply):
     """A non-streaming reply: content blocks gathered into one MessageResponse."""
 
     def __init__(self, started: TurnStarted, message_id: str) -> None:
@@ -172,7 +148,6 @@ class MessageReply:
         self.message_id = message_id
         self.content: list[OutThinking | OutText | OutToolUse] = []
         self.prompt: PromptStarted | None = None
-        self.finished: Finished | None = None
 
     async def event(self, event: TurnEvent) -> None:
         content = self.content
@@ -200,12 +175,8 @@ class MessageReply:
             case Finished():
                 self.finished = event
 
-    async def error(self, error: ApiError) -> None:
-        raise error
-
     def body(self) -> MessageResponse:
-        finished = self.finished
-        assert finished is not None, "turn ended without Finished: pipeline bug"
+        finished = self.final
         content = [c for c in self.content if not (isinstance(c, OutText) and not c.text.strip())]
         called_tool = any(isinstance(c, OutToolUse) for c in content)
         return MessageResponse(

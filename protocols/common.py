@@ -16,7 +16,6 @@ GATE_KEY = web.AppKey("gate", Gate)
 METRICS_KEY = web.AppKey("metrics", Metrics)
 
 
-
 def _encode_other(value: object) -> object:
     if isinstance(value, str):  # str subclasses such as AgentId
         return str(value)

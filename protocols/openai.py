@@ -27,7 +27,7 @@ from semantic.protocols.openai_wire import (
     to_chat_messages,
     tool_choice,
 )
-from semantic.protocols.pipeline import TurnEvent, TurnReply, answer_turn, sampling_params
+from semantic.protocols.pipeline import CollectedReply, TurnEvent, TurnReply, answer_turn, sampling_params
 from semantic.protocols.reasoning import ThinkingPart
 from semantic.protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallStart
 
@@ -115,15 +115,7 @@ def to_turn(request: web.Request, body: ChatCompletionRequest) -> TurnRequest:
         prefill = messages.pop()["content"]
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    sampling = sampling_params(
-        request,
-        temperature=body.temperature,
-        max_tokens=max_tokens,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        stop=stop,
-        seed=body.seed,
-    )
+    sampling = sampling_params(request, body, max_tokens, stop)
     return TurnRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
         agent_id=agent_id_from(request.headers, body.session_id),
@@ -166,7 +158,7 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-class CompletionReply:
+class CompletionReply(CollectedReply):
     """A non-streaming reply: one chat.completion."""
 
     def __init__(self, started: TurnStarted, completion_id: str) -> None:
@@ -175,7 +167,6 @@ class CompletionReply:
         self.texts: list[str] = []
         self.thinking: list[str] = []
         self.calls: list[ToolCall] = []
-        self.finished: Finished | None = None
 
     async def event(self, event: TurnEvent) -> None:
         match event:
@@ -188,12 +179,8 @@ class CompletionReply:
             case Finished():
                 self.finished = event
 
-    async def error(self, error: ApiError) -> None:
-        raise error
-
     def body(self) -> ChatCompletion:
-        finished = self.finished
-        assert finished is not None, "turn ended without Finished: pipeline bug"
+        finished = self.final
         text, calls = "".join(self.texts), self.calls
         message = AssistantMessage(
             "assistant",

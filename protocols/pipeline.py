@@ -53,25 +53,37 @@ ReplyFactory = Callable[[TurnStarted, SseWriter | None], TurnReply]
 
 
 def sampling_params(
-    request: web.Request,
-    *,
-    temperature: float | None,
-    max_tokens: int | None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    stop: tuple[str, ...] = (),
-    seed: int | None = None,
+    request: web.Request, body: object, max_tokens: int | None, stop: tuple[str, ...]
 ) -> SamplingParams:
-    """A request's sampling, with the server's defaults for what it leaves out (raises ValueError)."""
+    """A request's sampling, with the server's defaults for what it leaves out (raises ValueError).
+
+    `body` is the protocol's request struct: its `temperature`, `top_p`, `top_k` and `seed`, where
+    it has them, are read by those names.
+    """
     model = request.app[SETTINGS_KEY].model
+    temperature, top_p = getattr(body, "temperature", None), getattr(body, "top_p", None)
     return SamplingParams(
         temperature=model.temperature if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
-        top_k=top_k or 0,
+        top_k=getattr(body, "top_k", None) or 0,
         max_tokens=model.default_max_tokens if max_tokens is None else max_tokens,
         stop=stop,
-        seed=seed,
+        seed=getattr(body, "seed", None),
     )
+
+
+class CollectedReply:
+    """A non-streaming reply's common part: nothing is sent before the end, so errors are raised."""
+
+    finished: Finished | None = None
+
+    async def error(self, error: ApiError) -> None:
+        raise error
+
+    @property
+    def final(self) -> Finished:
+        assert self.finished is not None, "turn ended without Finished: pipeline bug"
+        return self.finished
 
 
 async def answer_turn(

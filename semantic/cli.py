@@ -219,6 +219,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def _check_bind(settings: Settings) -> None:
     server = settings.server
+    if server.api_key is not None and not server.api_key.strip():
+        raise SystemExit("semantic: refusing an empty API key (server.api_key); leave it unset for no key")
     if server.host in LOOPBACK:
         return
     if not server.allow_remote:

@@ -79,6 +79,14 @@ class LoadConversation:
 
 
 @dataclass(frozen=True, slots=True)
+class QuarantineCache:
+    """The cache file read fine but could not be used (the engine refused it): move it aside."""
+
+    agent_id: AgentId
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class ListOnDisk:
     only: AgentId | None = None
 
@@ -89,7 +97,14 @@ class StopPersistence:
 
 
 PersistenceMessage = (
-    SaveCaches | LoadCache | DeleteAgent | SaveConversation | LoadConversation | ListOnDisk | StopPersistence
+    SaveCaches
+    | LoadCache
+    | DeleteAgent
+    | SaveConversation
+    | LoadConversation
+    | QuarantineCache
+    | ListOnDisk
+    | StopPersistence
 )
 
 
@@ -142,6 +157,9 @@ class PersistenceActor:
     async def load_conversation(self, agent_id: AgentId) -> ConversationRecord | None:
         record: ConversationRecord | None = await self._ask(LoadConversation(agent_id))
         return record
+
+    async def quarantine(self, agent_id: AgentId, reason: str) -> None:
+        await self._ask(QuarantineCache(agent_id, reason))
 
     async def on_disk(self, only: AgentId | None = None) -> dict[AgentId, DiskEntry]:
         """What is on disk, for every agent or just `only`."""
@@ -206,6 +224,9 @@ class PersistenceActor:
                 return None
             case LoadConversation(agent_id=agent_id):
                 return await self._load_conversation(agent_id)
+            case QuarantineCache(agent_id=agent_id, reason=reason):
+                await self._quarantine(agent_id, self.path_for(agent_id), reason)
+                return None
             case ListOnDisk(only=only):
                 if only is not None:
                     entry = self._index.get(only)

@@ -49,3 +49,11 @@ def test_a_changed_attention_signature_fails_naming_it() -> None:
 
     with pytest.raises(SeamError, match=r"scaled_dot_product_attention takes \(queries, keys, values, cache"):
         mlx_seams.check_attention(scaled_dot_product_attention)
+
+
+def test_a_probe_that_raises_fails_naming_the_assumption_and_the_error() -> None:
+    class StandIn:  # the attribute exists but is no longer a collection
+        _currently_processing = None
+
+    with pytest.raises(SeamError, match=r"`_currently_processing` is an empty sized collection.*TypeError"):
+        mlx_seams.check_generator(StandIn())
