@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 from loguru import logger
 
-from semantic.engine import mlx_seams
+from semantic.engine import cpu_attention, mlx_seams
 from semantic.engine.agent_cache import is_anonymous
 from semantic.engine.cache_tensors import SerializedCache, to_tensors
 from semantic.engine.commands import (
@@ -249,6 +249,10 @@ class EngineCore:
             drain.envelope.fail(EngineError("the engine stopped during the drain"))
         if self._runtime is not None:
             self._runtime.batch.close()
+        # mlx-lm evaluates the next step asynchronously; let every stream this thread used finish
+        # before the thread ends, or a process exiting soon after can abort inside MLX's scheduler.
+        mx.synchronize()
+        cpu_attention.synchronize_streams()
 
     def _flush(self) -> None:
         if self._runtime is not None:

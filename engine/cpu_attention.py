@@ -39,6 +39,12 @@ def _streams() -> list[mx.Stream]:
     return streams
 
 
+def synchronize_streams() -> None:
+    """Wait for this thread's attention streams (the engine thread calls it before it ends)."""
+    for stream in getattr(_threads, "streams", None) or ():
+        mx.synchronize(stream)
+
+
 def _exp2(t: mx.array) -> mx.array:
     """2**t for t in [-126, 0]: 2**floor(t) from the exponent bits times a polynomial in the fraction."""
     whole = mx.floor(t)
