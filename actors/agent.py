@@ -177,30 +177,16 @@ class AgentActor:
                 return None
 
     async def _run_turn(self, turn: TurnRequest, reply: asyncio.Future[Any]) -> None:
-        session = await self._models.ready(turn.model)
-        loaded = session.loaded
-        conversation = await self._kept_conversation(session) if turn.keeps_conversation else None
-        if conversation is not None:
-            prompt = await self._models.tokenize(
-                prepare_continuation, session.chat, conversation.token_ids, conversation.system, turn
-            )
-        else:
-            prompt = await self._models.tokenize(prepare_stateless, session.chat, turn)
-        if self.max_prompt_tokens is not None and len(prompt.token_ids) > self.max_prompt_tokens:
-            raise PromptLimitError(len(prompt.token_ids), self.max_prompt_tokens)
-        request = GenerationRequest(
-            turn.request_id, prompt.token_ids, turn.sampling, model_fingerprint=loaded.fingerprint
-        )
-        request.agent_id = self.agent_id
-        if await self._restore_from_disk(session):
-            request.cache_tier_hint = "disk"
-        stream = self._engine.submit(request)
+        async with self._models.lease(turn.model) as session:  # no model switch until submitted
+            conversation = await self._kept_conversation(session) if turn.keeps_conversation else None
+            prompt, request = await self._prepare(session, conversation, turn)
+            stream = self._engine.submit(request)
         self.num_turns += 1
         committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if reply.done():  # the asker left (a client that disconnected) before the turn started
             stream.cancel()
         else:
-            reply.set_result(TurnStarted(stream, prompt, loaded.name, self.agent_id, committed))
+            reply.set_result(TurnStarted(stream, prompt, session.loaded.name, self.agent_id, committed))
         # The next message waits until this turn is done (and, for a kept conversation, durable).
         try:
             final = await asyncio.shield(stream.done)
@@ -213,6 +199,27 @@ class AgentActor:
             return None
         committed.set_result(None)
         return None
+
+    async def _prepare(
+        self, session: ModelSession, conversation: ConversationRecord | None, turn: TurnRequest
+    ) -> tuple[PreparedPrompt, GenerationRequest]:
+        """Render and tokenize the turn (in the tokenizer workers), check its length, and make sure
+        the agent's cache is in memory if it is on disk."""
+        if conversation is not None:
+            prompt = await self._models.tokenize(
+                prepare_continuation, session.chat, conversation.token_ids, conversation.system, turn
+            )
+        else:
+            prompt = await self._models.tokenize(prepare_stateless, session.chat, turn)
+        if self.max_prompt_tokens is not None and len(prompt.token_ids) > self.max_prompt_tokens:
+            raise PromptLimitError(len(prompt.token_ids), self.max_prompt_tokens)
+        request = GenerationRequest(
+            turn.request_id, prompt.token_ids, turn.sampling, model_fingerprint=session.loaded.fingerprint
+        )
+        request.agent_id = self.agent_id
+        if await self._restore_from_disk(session):
+            request.cache_tier_hint = "disk"
+        return prompt, request
 
     async def _commit(
         self, session: ModelSession, conversation: ConversationRecord, prompt: PreparedPrompt, final: Finished

@@ -10,8 +10,9 @@ back if that fails). Requests arriving meanwhile wait on the transition, up to `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -98,6 +99,10 @@ class ModelHost:
         self._last_used = time.monotonic()
         self._idle_watch: asyncio.Task[None] | None = None
         self.active_memory_before_load = 0
+        # Turns between `ready` and their submit: a transition waits for them before it drains.
+        self._num_leases = 0
+        self._no_leases = asyncio.Event()
+        self._no_leases.set()
         # Templates and tokenizers run here, never on the event loop; a few at once, queued beyond.
         self._tokenizer = ThreadPoolExecutor(num_tokenizer_workers, thread_name_prefix="semantic-tokenize")
 
@@ -152,6 +157,19 @@ class ModelHost:
             report = await self._wait_for(self._begin(entry or self._last_entry), deadline)
             if report.error is not None:
                 raise ModelLoadError(report.error)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str | None = None) -> AsyncIterator[ModelSession]:
+        """`ready(name)`, and the model stays loaded until the block ends (a turn submits in it)."""
+        session = await self.ready(name)
+        self._num_leases += 1
+        self._no_leases.clear()
+        try:
+            yield session
+        finally:
+            self._num_leases -= 1
+            if self._num_leases == 0:
+                self._no_leases.set()
 
     async def swap(self, name: str) -> SwapReport | None:
         """Make `name` the loaded model now; the report of the swap, or None if it was loaded."""
@@ -257,6 +275,7 @@ class ModelHost:
     async def _detach(self, report: SwapReport) -> SwapReport:
         """Let the batch finish (bounded), write every hot cache to disk, drop the model."""
         started = time.perf_counter()
+        await self._no_leases.wait()  # turns that got the model submit first; new ones wait for us
         reason = f"the model is switching to {report.to_model or 'unloaded'}"
         num_cancelled = await self.engine.ask(Drain(self.swap_drain_timeout_s, reason))
         drained = time.perf_counter()
@@ -264,10 +283,11 @@ class ModelHost:
         written = await self.flush()
         flushed = time.perf_counter()
         memory_before = mx.get_active_memory()
-        session, self.session, self.entry = self.session, None, None
+        persistence = self.session.persistence if self.session is not None else None
+        self.session = self.entry = None  # no reference to the model may outlive the unload
+        if persistence is not None:
+            await persistence.stop()
         await self.engine.ask(UnloadModel())
-        if session is not None and session.persistence is not None:
-            await session.persistence.stop()
         return replace(
             report,
             drain_s=drained - started,

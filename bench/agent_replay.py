@@ -23,21 +23,19 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 
 from bench.common import RESULTS, write_results
+from bench.servers import MlxLmServer, Semantic, Server
 from semantic.engine.default_model import ensure_default_model
-from tests.server_process import ROOT, ServerProcess, free_port
+from tests.server_process import ROOT
 
 REPLY_TOKENS = 32
 TOOL_TIME_S = (0.05, 0.4)  # what an agent spends running a tool between two requests
@@ -128,66 +126,6 @@ class AgentSession:
         )
         self.messages.append({"role": "user", "content": question})
         return "user"
-
-
-class Server(Protocol):
-    name: str
-    model: str  # what requests name as their model
-    base_url: str
-
-    def start(self) -> None: ...
-    def stop(self) -> None: ...
-
-
-class Semantic:
-    name = "semantic"
-    model = "default"
-
-    def __init__(self, model_dir: Path, cache_dir: Path) -> None:
-        self.process = ServerProcess(cache_dir, "--model", str(model_dir), "--temperature", "0")
-        self.base_url = self.process.base_url
-
-    def start(self) -> None:
-        self.process.start()
-
-    def stop(self) -> None:
-        self.process.stop()
-
-
-class MlxLmServer:
-    """`mlx_lm.server` (mlx-lm's own server, continuous batching and an in-memory prompt cache)."""
-
-    name = "mlx_lm.server"
-
-    def __init__(self, model_dir: Path, log_dir: Path) -> None:
-        self.model_dir = model_dir
-        self.model = str(model_dir)
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"mlx_lm_server-{self.port}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(self.model_dir)]
-        cmd += ["--port", str(self.port), "--max-tokens", str(REPLY_TOKENS)]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlx_lm.server exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=1):
-                    return
-            except (urllib.error.URLError, OSError):
-                time.sleep(0.3)
-        raise TimeoutError("mlx_lm.server did not start")
-
-    def stop(self) -> None:
-        assert self.proc is not None
-        self.proc.terminate()
-        self.proc.wait(60)
 
 
 async def chat_turn(
@@ -381,7 +319,7 @@ def main() -> None:
         for n in args.agents:
             servers: list[Server] = [
                 Semantic(model_dir, Path(scratch) / f"semantic-{n}"),
-                MlxLmServer(model_dir, Path(scratch) / "logs"),
+                MlxLmServer(model_dir, Path(scratch) / "logs", REPLY_TOKENS),
             ]
             for server in servers:
                 print(f"{server.name}: {n} agents ...", file=sys.stderr, flush=True)

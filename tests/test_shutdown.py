@@ -120,8 +120,11 @@ def test_a_disk_that_fills_up_during_a_flush_is_reported_and_leaves_no_broken_fi
     import numpy as np
 
     identity = CacheIdentity("m", "f" * 64, 256, {"layers": 1})
+    tokens, more_tokens = np.arange(256, dtype=np.int32), np.arange(512, dtype=np.int32)
     tensors = {"k": np.ones((4, 256), dtype=np.float32), "v": np.zeros((4, 256), dtype=np.float32)}
+    tensors["tokens"] = tokens
     newer = {"k": np.full((4, 256), 2, dtype=np.float32), "v": np.zeros((4, 256), dtype=np.float32)}
+    newer["tokens"] = more_tokens
     disk_is_full = False
     real_save = cache_file.save_file
 

@@ -169,3 +169,20 @@ def test_a_client_that_leaves_before_the_first_read_frees_its_slot(server: Serve
     assert metric(server, "semantic_generated_tokens_total") - generated_before < 2000
     path, body_fields = turn_request(api)
     assert post(server, path, body_fields)[0] == 200
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_hostile_bodies_get_a_4xx_in_the_protocol_shape(server: ServerProcess, api: str) -> None:
+    path, valid = turn_request(api, max_tokens=2)
+    hostile = [
+        b"\xff\xfe" + json.dumps(valid).encode(),  # not UTF-8
+        b"[" * 100_000,  # nested past any sane depth
+        json.dumps({**valid, "max_tokens": "many"}).encode(),
+        json.dumps({**valid, "seed": -1}).encode(),
+        json.dumps({**valid, "stop": ["\u0000"] * 100}).encode(),
+    ]
+    for body in hostile:
+        status, headers, reply = post(server, path, body)
+        assert status < 500, (body[:40], status, reply)
+        if status >= 400:
+            assert headers["Content-Type"].startswith("application/json") and message_of(api, reply)
