@@ -12,6 +12,7 @@ on. At stop every queued ask fails with AgentStoppedError, so no caller waits fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,9 +33,12 @@ from semantic.actors.turns import (
 from semantic.engine.commands import DropCache, NeedsRestore, RestoreCache, TakeCache
 from semantic.engine.engine import Engine
 from semantic.engine.messages import Finished, FinishReason, GenerationRequest
+from semantic.engine.request_stream import RequestStream
+from semantic.launch import give_memory_back
 from semantic.storage.conversation_file import ConversationRecord
 
 RETRY_AFTER_S = 1
+LARGE_PROMPT_TOKENS = 100_000  # past this, the tokenizer's memory is handed back after each prompt
 
 
 class MailboxFullError(RuntimeError):
@@ -177,10 +181,23 @@ class AgentActor:
                 return None
 
     async def _run_turn(self, turn: TurnRequest, reply: asyncio.Future[Any]) -> None:
-        async with self._models.lease(turn.model) as session:  # no model switch until submitted
-            conversation = await self._kept_conversation(session) if turn.keeps_conversation else None
-            prompt, request = await self._prepare(session, conversation, turn)
-            stream = self._engine.submit(request)
+        with contextlib.ExitStack() as committing:
+            async with self._models.lease(turn.model) as session:  # no model switch until submitted
+                conversation = await self._kept_conversation(session) if turn.keeps_conversation else None
+                prompt, request = await self._prepare(session, conversation, turn)
+                stream = self._engine.submit(request)
+                committing.enter_context(self._models.committing())  # files stay open until saved
+            await self._finish_turn(turn, reply, session, conversation, prompt, stream)
+
+    async def _finish_turn(
+        self,
+        turn: TurnRequest,
+        reply: asyncio.Future[Any],
+        session: ModelSession,
+        conversation: ConversationRecord | None,
+        prompt: PreparedPrompt,
+        stream: RequestStream,
+    ) -> None:
         self.num_turns += 1
         committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if reply.done():  # the asker left (a client that disconnected) before the turn started
@@ -211,8 +228,13 @@ class AgentActor:
             )
         else:
             prompt = await self._models.tokenize(prepare_stateless, session.chat, turn)
-        if self.max_prompt_tokens is not None and len(prompt.token_ids) > self.max_prompt_tokens:
-            raise PromptLimitError(len(prompt.token_ids), self.max_prompt_tokens)
+        num_tokens = len(prompt.token_ids)
+        if self.max_prompt_tokens is not None and num_tokens > self.max_prompt_tokens:
+            del prompt
+            await self._models.tokenize(give_memory_back)  # what tokenizing it took, back to the OS
+            raise PromptLimitError(num_tokens, self.max_prompt_tokens)
+        if num_tokens >= LARGE_PROMPT_TOKENS:
+            await self._models.tokenize(give_memory_back)
         request = GenerationRequest(
             turn.request_id, prompt.token_ids, turn.sampling, model_fingerprint=session.loaded.fingerprint
         )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -69,6 +69,29 @@ class ModelSession:
     persistence: PersistenceActor | None
 
 
+class Holds:
+    """How many tasks hold something, and a way to wait until none does."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._none = asyncio.Event()
+        self._none.set()
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        self.count += 1
+        self._none.clear()
+        try:
+            yield
+        finally:
+            self.count -= 1
+            if self.count == 0:
+                self._none.set()
+
+    async def none_held(self) -> None:
+        await self._none.wait()
+
+
 class ModelHost:
     def __init__(
         self,
@@ -99,10 +122,10 @@ class ModelHost:
         self._last_used = time.monotonic()
         self._idle_watch: asyncio.Task[None] | None = None
         self.active_memory_before_load = 0
-        # Turns between `ready` and their submit: a transition waits for them before it drains.
-        self._num_leases = 0
-        self._no_leases = asyncio.Event()
-        self._no_leases.set()
+        # Turns between `ready` and their submit: a transition waits for them before it drains;
+        # turns between their submit and their commit: it waits for them before the files close.
+        self._leases = Holds()
+        self._commits = Holds()
         # Templates and tokenizers run here, never on the event loop; a few at once, queued beyond.
         self._tokenizer = ThreadPoolExecutor(num_tokenizer_workers, thread_name_prefix="semantic-tokenize")
 
@@ -162,14 +185,12 @@ class ModelHost:
     async def lease(self, name: str | None = None) -> AsyncIterator[ModelSession]:
         """`ready(name)`, and the model stays loaded until the block ends (a turn submits in it)."""
         session = await self.ready(name)
-        self._num_leases += 1
-        self._no_leases.clear()
-        try:
+        with self._leases.hold():
             yield session
-        finally:
-            self._num_leases -= 1
-            if self._num_leases == 0:
-                self._no_leases.set()
+
+    def committing(self) -> contextlib.AbstractContextManager[None]:
+        """Held by a submitted turn until its conversation is saved; enter it inside `lease`."""
+        return self._commits.hold()
 
     async def swap(self, name: str) -> SwapReport | None:
         """Make `name` the loaded model now; the report of the swap, or None if it was loaded."""
@@ -275,9 +296,10 @@ class ModelHost:
     async def _detach(self, report: SwapReport) -> SwapReport:
         """Let the batch finish (bounded), write every hot cache to disk, drop the model."""
         started = time.perf_counter()
-        await self._no_leases.wait()  # turns that got the model submit first; new ones wait for us
+        await self._leases.none_held()  # turns that got the model submit first; new ones wait for us
         reason = f"the model is switching to {report.to_model or 'unloaded'}"
         num_cancelled = await self.engine.ask(Drain(self.swap_drain_timeout_s, reason))
+        await self._commits.none_held()  # their conversations are saved before persistence stops
         drained = time.perf_counter()
         await self._settle_writes()
         written = await self.flush()

@@ -16,7 +16,8 @@ import msgspec
 from aiohttp import web
 
 from semantic.actors.agent_id import agent_id_from
-from semantic.actors.turns import TurnRequest, TurnStarted, UnsupportedContentError
+from semantic.actors.turns import PromptLimitError, TurnRequest, TurnStarted, UnsupportedContentError
+from semantic.engine.engine import PromptTooLongError
 from semantic.engine.messages import Finished, FinishReason, PromptStarted
 from semantic.protocols.anthropic_wire import (
     MessagesRequest,
@@ -83,9 +84,14 @@ def thinking_signature(thinking: str) -> str:
     return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
 
 
-def to_turn(request: web.Request, body: MessagesRequest) -> TurnRequest:
+def to_turn(request: web.Request, body: MessagesRequest, counting: bool = False) -> TurnRequest:
+    """The turn a Messages request asks for, validated as Anthropic validates it."""
     if not body.messages:
         raise ApiError("messages: at least one message is required")
+    if body.max_tokens is None and not counting:
+        raise ApiError("max_tokens: Field required")
+    if body.temperature is not None and not 0.0 <= body.temperature <= 1.0:
+        raise ApiError(f"temperature: {body.temperature} is out of range: 0..1")
     messages = to_chat_messages(body)
     if not messages:
         raise UnsupportedContentError("messages: none has content the model can read (only thinking blocks)")
@@ -110,21 +116,24 @@ async def messages(request: web.Request) -> web.StreamResponse:
     def reply(started: TurnStarted, sse: SseWriter | None) -> TurnReply:
         return MessageStream(started, turn.request_id, sse) if sse else MessageReply(started, turn.request_id)
 
-    return await answer_turn(request, turn, body.stream, reply, PING_FRAME)
+    try:
+        return await answer_turn(request, turn, body.stream, reply, PING_FRAME)
+    except (PromptTooLongError, PromptLimitError) as error:  # the wording Claude Code acts on
+        raise ApiError(f"prompt is too long: {error.num_tokens} tokens > {error.limit} maximum") from error
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    turn = to_turn(request, decode_request(await request.read()))
+    turn = to_turn(request, decode_request(await request.read()), counting=True)
     admit(request, turn.agent_id)
     num_tokens = await request.app[SYSTEM_KEY].count_tokens(turn)
     return json_response(TokenCount(num_tokens))
 
 
 def _stop_reason(finished: Finished, called_tool: bool) -> str:
+    if finished.reason is FinishReason.LENGTH:  # also a tool call cut off by max_tokens
+        return "max_tokens"
     if called_tool:
         return "tool_use"
-    if finished.reason is FinishReason.LENGTH:
-        return "max_tokens"
     if finished.stop_sequence is not None:
         return "stop_sequence"
     return "end_turn"

@@ -186,3 +186,45 @@ def test_hostile_bodies_get_a_4xx_in_the_protocol_shape(server: ServerProcess, a
         assert status < 500, (body[:40], status, reply)
         if status >= 400:
             assert headers["Content-Type"].startswith("application/json") and message_of(api, reply)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("max_tokens", None, "max_tokens: Field required"),
+        ("max_tokens", 0, "max_tokens must be >= 1"),
+        ("temperature", 1.5, "out of range: 0..1"),
+        ("temperature", -0.1, "out of range: 0..1"),
+        ("top_p", 0, "top_p"),
+        ("top_k", -1, "top_k"),
+        ("messages", [], "at least one message"),
+    ],
+)
+def test_anthropic_validates_as_anthropic_does(
+    server: ServerProcess, field: str, value: Any, expected: str
+) -> None:
+    path, body = turn_request("anthropic")
+    if value is None:
+        del body[field]
+    else:
+        body[field] = value
+    status, _, reply = post(server, path, body)
+    assert status == 400 and reply["error"]["type"] == "invalid_request_error", reply
+    assert expected in reply["error"]["message"], reply
+
+
+def test_openai_keeps_its_own_ranges(server: ServerProcess) -> None:
+    path, body = turn_request("openai", temperature=1.5, max_tokens=2)
+    assert post(server, path, body)[0] == 200
+    path, body = turn_request("openai", temperature=2.5)
+    assert post(server, path, body)[0] == 400
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_past_the_context_says_prompt_is_too_long(server: ServerProcess, stream: bool) -> None:
+    path, body = turn_request("anthropic", stream=stream)
+    body["messages"] = [{"role": "user", "content": "hello " * 9000}]
+    status, _, reply = post(server, path, body)
+    message = message_of("anthropic", reply)
+    assert status == 400 and message.startswith("prompt is too long: "), reply
+    assert message.endswith(" tokens > 8192 maximum") and int(message.split()[4]) > 8192
