@@ -102,6 +102,8 @@ async def answer_turn(
     reply = make_reply(started, sse)
     try:
         async for event in turn_events(started):
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("the client closed the connection")
             if isinstance(event, Finished):
                 await started.committed  # acknowledge only a durable turn
             if isinstance(event, KeepAlive):
@@ -173,8 +175,9 @@ async def _with_keepalives(started: TurnStarted) -> AsyncIterator[Event | KeepAl
     pumping = asyncio.get_running_loop().create_task(pump())
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(inbox.get(), KEEPALIVE_S)
+            try:  # not asyncio.wait_for: on 3.11 it can swallow a cancellation (a client leaving)
+                async with asyncio.timeout(KEEPALIVE_S):
+                    event = await inbox.get()
             except TimeoutError:
                 yield KeepAlive()
                 continue
