@@ -107,7 +107,7 @@ def send(server: ServerProcess, path: str, body: dict[str, Any]) -> tuple[int, b
 
 @pytest.mark.parametrize("path", list(FIELDS))
 def test_generated_bodies_never_get_a_5xx(server: ServerProcess, path: str) -> None:
-    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
     @given(body=bodies(path))
     def check(body: dict[str, Any]) -> None:
         status, reply = send(server, path, body)
