@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from loguru import logger
@@ -235,8 +235,11 @@ class AgentActor:
             raise PromptLimitError(num_tokens, self.max_prompt_tokens)
         if num_tokens >= LARGE_PROMPT_TOKENS:
             await self._models.tokenize(give_memory_back)
+        sampling = turn.sampling.with_defaults(session.loaded.generation_defaults)
+        if prompt.stop_after_call and prompt.stop_after_call not in sampling.stop:
+            sampling = replace(sampling, stop=(*sampling.stop, prompt.stop_after_call))
         request = GenerationRequest(
-            turn.request_id, prompt.token_ids, turn.sampling, model_fingerprint=session.loaded.fingerprint
+            turn.request_id, prompt.token_ids, sampling, model_fingerprint=session.loaded.fingerprint
         )
         request.agent_id = self.agent_id
         if await self._restore_from_disk(session):

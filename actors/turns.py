@@ -61,6 +61,9 @@ class PreparedPrompt:
     reply_prefix: str  # reply text written into the prompt (a forced tool call's opening)
     parses_tools: bool
     text_tail: str  # the rendered prompt's end, to see whether it leaves the reply in a <think> block
+    # A forced call ends the turn: generation stops at the call's closing text (never reported as
+    # a client's stop sequence).
+    stop_after_call: str | None = None
 
 
 @dataclass(slots=True)
@@ -98,7 +101,8 @@ def prepare_stateless(chat: ChatFormat, turn: TurnRequest) -> PreparedPrompt:
     prefix = forced_prefix(chat, turn.tool_choice, tool_names(turn.tools))
     text = chat.render(turn.messages, turn.tools) + turn.prefill + prefix
     parses_tools = turn.tools is not None and turn.tool_choice.mode != "none"
-    return PreparedPrompt(chat.encode(text), prefix, parses_tools, text[-512:])
+    stop_after_call = chat.tool_call_closer if prefix else None
+    return PreparedPrompt(chat.encode(text), prefix, parses_tools, text[-512:], stop_after_call)
 
 
 def prepare_continuation(

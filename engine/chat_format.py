@@ -45,6 +45,11 @@ class ChatFormat:
         if self.template_knows_tools and "<tool_call>" not in template and "parameters" in template:
             self.tool_call_opener = ""  # Llama 3.x: a bare JSON object is the call
 
+    @property
+    def tool_call_closer(self) -> str | None:
+        """The text that ends one call, where the format has one (Hermes/Qwen `</tool_call>`)."""
+        return "</tool_call>" if self.tool_call_opener.startswith("<tool_call>") else None
+
     def forced_call_prefix(self, tool_name: str | None) -> str:
         """Reply text that opens a tool call: to `tool_name`, or to a tool the model names."""
         arguments_key = "parameters" if self.tool_call_opener == "" else "arguments"

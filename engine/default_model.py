@@ -40,6 +40,11 @@ _GGUF_TO_MLX_LAYER = {
 }
 
 
+# The sampling SmolLM2-135M-Instruct's model card uses (`temperature=0.2, top_p=0.9`); the GGUF
+# carries none, and at the usual default of 1.0 a 135M model babbles.
+CARD_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+
 def user_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "semantic"
@@ -235,7 +240,8 @@ def convert_gguf(
         tokenizer_config = build_tokenizer_config(meta)
         (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
         (staging / "chat_template.jinja").write_text(tokenizer_config["chat_template"])
-        (staging / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}))
+        generation = {"eos_token_id": config["eos_token_id"], **CARD_SAMPLING}
+        (staging / "generation_config.json").write_text(json.dumps(generation))
         if model_dir.exists():
             shutil.rmtree(model_dir)
         os.replace(staging, model_dir)

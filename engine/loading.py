@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,9 @@ import mlx.core as mx
 from mlx_lm.utils import load as mlx_lm_load
 
 from semantic.engine.cache_spec import ModelCacheSpec
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.default_model import CARD_SAMPLING, ensure_default_model
 from semantic.engine.registry import DEFAULT_MODEL_SOURCES, model_name_for
+from semantic.engine.sampling import GenerationDefaults
 
 DEFAULT_CONTEXT_LENGTH = 8192
 
@@ -28,6 +30,7 @@ class LoadedModel:
     spec: ModelCacheSpec
     fingerprint: str
     context_length: int
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -100,7 +103,30 @@ def load_model(
         spec=ModelCacheSpec.from_model(model, block_size),
         fingerprint=fingerprint_model(model_dir),
         context_length=context_length_of(model_dir, tokenizer),
+        generation_defaults=generation_defaults_of(model_dir, is_default_model(source)),
     )
+
+
+def generation_defaults_of(model_dir: Path, is_default: bool = False) -> GenerationDefaults:
+    """The sampling the model's generation_config.json asks for (as vLLM and mlx-lm honour it):
+    `do_sample: false` means greedy; what it leaves out stays at 1.0 / 1.0 / 0 (off)."""
+    config: dict[str, Any] = dict(CARD_SAMPLING) if is_default else {}
+    path = model_dir / "generation_config.json"
+    with contextlib.suppress(OSError, ValueError):
+        config.update(json.loads(path.read_text()) if path.exists() else {})
+    fallback = GenerationDefaults()
+    temperature = config.get("temperature", fallback.temperature)
+    if config.get("do_sample") is False:
+        temperature = 0.0
+    top_p, top_k = config.get("top_p", fallback.top_p), config.get("top_k", fallback.top_k)
+    try:
+        return GenerationDefaults(
+            temperature=min(2.0, max(0.0, float(temperature))),
+            top_p=float(top_p) if 0.0 < float(top_p) <= 1.0 else 1.0,
+            top_k=max(0, int(top_k)),
+        )
+    except (TypeError, ValueError):
+        return fallback
 
 
 def _hub_snapshot_dir(repo_id: str) -> Path:

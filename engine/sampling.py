@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
@@ -14,23 +14,36 @@ MAX_STOP_STRINGS = 16
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingParams:
-    temperature: float = 0.0
+class GenerationDefaults:
+    """A model's own sampling defaults (its generation_config.json), for requests that set none."""
+
+    temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """None in `temperature`, `top_p` or `top_k`: the served model's default (`with_defaults`)."""
+
+    temperature: float | None = 0.0
+    top_p: float | None = 1.0
+    top_k: int | None = 0
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.temperature <= 2.0:
+        if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"temperature must be between 0 and 2, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
+        if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be between 0 and 2**64 - 1, got {self.seed}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
             raise ValueError(
                 f"stop takes at most {MAX_STOP_STRINGS} non-empty strings, got {list(self.stop)}"
@@ -40,20 +53,33 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def with_defaults(self, defaults: GenerationDefaults) -> SamplingParams:
+        """The model's defaults where the request and the server set nothing."""
+        return replace(
+            self,
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            top_k=defaults.top_k if self.top_k is None else self.top_k,
+        )
+
 
 def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
     """None means greedy: the batch then samples all greedy rows with one argmax."""
+    assert params.temperature is not None and params.top_p is not None and params.top_k is not None, (
+        "sampling reached the engine without the model's defaults: caller bug"
+    )
     if params.is_greedy:
         return None
     top_k = params.top_k if 0 < params.top_k < vocab_size else 0
+    top_p = params.top_p
     inverse_temperature = 1.0 / params.temperature
     key = [mx.random.key(params.seed)] if params.seed is not None else None
 
     def sample(logprobs: mx.array) -> mx.array:
         if top_k:
             logprobs = apply_top_k(logprobs, top_k)
-        if params.top_p < 1.0:
-            logprobs = apply_top_p(logprobs, params.top_p)
+        if top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
         if key is None:
             return mx.random.categorical(logprobs * inverse_temperature)
         key[0], step_key = mx.random.split(key[0])

@@ -130,7 +130,7 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 
 def _stop_reason(finished: Finished, called_tool: bool) -> str:
-    if finished.reason is FinishReason.LENGTH:  # also a tool call cut off by max_tokens
+    if finished.reason is FinishReason.LENGTH:  # also a call cut off (a forced one stops once closed)
         return "max_tokens"
     if called_tool:
         return "tool_use"

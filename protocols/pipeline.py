@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from aiohttp import web
@@ -61,11 +61,11 @@ def sampling_params(
     it has them, are read by those names.
     """
     model = request.app[SETTINGS_KEY].model
-    temperature, top_p = getattr(body, "temperature", None), getattr(body, "top_p", None)
-    return SamplingParams(
+    temperature = getattr(body, "temperature", None)
+    return SamplingParams(  # None: the served model's generation defaults fill it in
         temperature=model.temperature if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=getattr(body, "top_k", None) or 0,
+        top_p=getattr(body, "top_p", None),
+        top_k=getattr(body, "top_k", None),
         max_tokens=model.default_max_tokens if max_tokens is None else max_tokens,
         stop=stop,
         seed=getattr(body, "seed", None),
@@ -151,6 +151,8 @@ async def turn_events(started: TurnStarted) -> AsyncIterator[TurnEvent]:
             case Finished():
                 for part in split("", final=True):
                     yield part
+                if event.stop_sequence is not None and event.stop_sequence == prompt.stop_after_call:
+                    event = replace(event, stop_sequence=None)  # our stop, not the client's
                 yield event
             case PromptStarted():
                 yield event

@@ -59,7 +59,11 @@ SERVER_FLAGS = [
         "model.swap_drain_timeout_s",
         "how long a model swap waits for running requests",
     ),
-    ("--temperature", "model.temperature", "sampling temperature for requests that set none"),
+    (
+        "--temperature",
+        "model.temperature",
+        "sampling temperature for requests that set none (default: the model's generation_config)",
+    ),
     ("--default-max-tokens", "model.default_max_tokens", "max_tokens for requests that set none"),
     ("--max-queued", "limits.max_queued", "requests that may wait beyond the running batch (then 429/529)"),
     ("--max-tokens-limit", "limits.max_tokens", "largest max_tokens a request may ask for"),

@@ -45,7 +45,7 @@ class ModelSection(_Section):
     aliases: dict[str, str] = {}  # requested-name glob -> model name ("" = the loaded model)
     idle_unload_s: Positive | None = None
     swap_drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
-    temperature: Annotated[float, Meta(ge=0, le=2)] = 1.0
+    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None  # None: the model's own default
     default_max_tokens: PositiveInt = 1024
 
 

@@ -16,7 +16,7 @@ GREEDY = {"temperature": 0}
 SUNNY = {"type": "text", "text": "Sunny, 22 C"}
 WEATHER = {
     "name": "get_weather",
-    "description": "Current weather for a city",
+    "description": "Weather for a city",
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
 
@@ -139,8 +139,13 @@ def test_tool_round_trip(server) -> None:  # type: ignore[no-untyped-def]
         model="claude-local", max_tokens=48, tools=[WEATHER], tool_choice=forced, messages=ask,  # type: ignore[arg-type]
         extra_body=GREEDY,
     )  # fmt: skip
-    assert reply.stop_reason == "tool_use"
+    assert reply.stop_reason == "tool_use"  # the forced call ends the turn once it is closed
     call = reply.content[-1]
+    cut_off = client.messages.create(
+        model="claude-local", max_tokens=8, tools=[WEATHER], tool_choice=forced, messages=ask,  # type: ignore[arg-type]
+        extra_body=GREEDY,
+    )  # fmt: skip
+    assert cut_off.stop_reason == "max_tokens"  # a call cut off by max_tokens says so, as Anthropic does
     assert call.type == "tool_use" and call.name == "get_weather" and call.id.startswith("toolu_")
 
     body = {"model": "claude-x", "max_tokens": 48, "tools": [WEATHER], "tool_choice": forced, "messages": ask}
@@ -184,7 +189,7 @@ def test_errors_come_in_anthropic_shape(server) -> None:  # type: ignore[no-unty
         client.messages.create(
             model="claude-x", max_tokens=8, messages=[{"role": "user", "content": [image]}]
         )
-    with pytest.raises(anthropic.BadRequestError, match=r"tokens; the model's context holds 8192"):
+    with pytest.raises(anthropic.BadRequestError, match=r"prompt is too long: \d+ tokens > 8192 maximum"):
         client.messages.create(
             model="claude-x", max_tokens=8, messages=[{"role": "user", "content": "hi " * 9000}]
         )

@@ -178,7 +178,8 @@ def test_hostile_bodies_get_a_4xx_in_the_protocol_shape(server: ServerProcess, a
         b"\xff\xfe" + json.dumps(valid).encode(),  # not UTF-8
         b"[" * 100_000,  # nested past any sane depth
         json.dumps({**valid, "max_tokens": "many"}).encode(),
-        json.dumps({**valid, "seed": -1}).encode(),
+        json.dumps({**valid, "seed": -1, "temperature": 0.5}).encode(),
+        json.dumps({**valid, "seed": 2**64, "temperature": 0.5}).encode(),
         json.dumps({**valid, "stop": ["\u0000"] * 100}).encode(),
     ]
     for body in hostile:

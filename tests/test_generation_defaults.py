@@ -1,0 +1,46 @@
+"""Requests that set no sampling get the model's own generation defaults (generation_config.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from semantic.engine.loading import generation_defaults_of
+from semantic.engine.sampling import GenerationDefaults, SamplingParams, make_sampler
+
+
+def write_config(tmp_path: Path, config: dict[str, object]) -> Path:
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_the_model_config_sets_the_defaults(tmp_path: Path) -> None:
+    model_dir = write_config(tmp_path, {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 2})
+    assert generation_defaults_of(model_dir) == GenerationDefaults(0.6, 0.95, 20)
+
+
+def test_do_sample_false_means_greedy_and_missing_keys_stay_neutral(tmp_path: Path) -> None:
+    assert (
+        generation_defaults_of(write_config(tmp_path, {"do_sample": False, "temperature": 0.7})).temperature
+        == 0
+    )
+    assert generation_defaults_of(write_config(tmp_path, {"eos_token_id": 2})) == GenerationDefaults()
+    assert generation_defaults_of(tmp_path / "missing") == GenerationDefaults()
+    assert generation_defaults_of(write_config(tmp_path, {"temperature": "hot"})) == GenerationDefaults()
+
+
+def test_the_default_model_uses_its_cards_sampling(tmp_path: Path) -> None:
+    defaults = generation_defaults_of(write_config(tmp_path, {"eos_token_id": 2}), is_default=True)
+    assert defaults == GenerationDefaults(0.2, 0.9, 0)
+
+
+def test_the_request_and_the_server_win_over_the_model() -> None:
+    model = GenerationDefaults(0.2, 0.9, 40)
+    assert SamplingParams(temperature=None, top_p=None, top_k=None).with_defaults(model) == SamplingParams(
+        temperature=0.2, top_p=0.9, top_k=40
+    )
+    assert SamplingParams(temperature=0.0, top_p=None, top_k=None).with_defaults(model).temperature == 0.0
+    with pytest.raises(AssertionError, match="caller bug"):
+        make_sampler(SamplingParams(temperature=None), vocab_size=100)
