@@ -137,7 +137,15 @@ class AgentSystem:
 
     async def start_turn(self, turn: TurnRequest) -> TurnStarted:
         """Hand a turn to its agent's actor; returns once it is in the engine."""
-        started: TurnStarted = await self._actor(turn.agent_id).ask(StartTurn(turn))
+        reply = self._actor(turn.agent_id).ask(StartTurn(turn))
+        try:
+            started: TurnStarted = await reply
+        except asyncio.CancelledError:
+            # Cancelled (a client that left) after the actor answered but before this task resumed:
+            # nobody else holds the stream, so end its generation here.
+            if reply.done() and not reply.cancelled() and reply.exception() is None:
+                reply.result().stream.cancel()
+            raise
         return started
 
     async def count_tokens(self, turn: TurnRequest) -> int:
