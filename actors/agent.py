@@ -105,7 +105,6 @@ class AgentActor:
         # Unbounded underneath so StopAgent always gets in; `ask` enforces the bound for the rest.
         self._mailbox: asyncio.Queue[tuple[AgentMessage, asyncio.Future[Any]]] = asyncio.Queue()
         self._stopped = False
-        self.num_turns = 0
         # The direct API's conversation, for the model whose fingerprint is `_conversation_model`.
         self._conversation: ConversationRecord | None = None
         self._conversation_model: str | None = None
@@ -198,7 +197,6 @@ class AgentActor:
         prompt: PreparedPrompt,
         stream: RequestStream,
     ) -> None:
-        self.num_turns += 1
         committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if reply.done():  # the asker left (a client that disconnected) before the turn started
             stream.cancel()

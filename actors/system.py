@@ -19,6 +19,7 @@ from semantic.actors.agent_id import AgentId
 from semantic.actors.handle import AgentHandle
 from semantic.actors.models import ModelHost
 from semantic.actors.turns import TurnRequest, TurnStarted, prepare_stateless
+from semantic.engine.agent_cache import is_anonymous
 from semantic.engine.commands import ListCaches
 from semantic.engine.default_model import user_cache_dir
 from semantic.engine.engine import Engine, EngineConfig
@@ -190,7 +191,7 @@ class AgentSystem:
         infos: dict[str, AgentInfo] = {}
         if self.engine.loaded is not None:
             for cached in await self.engine.ask(ListCaches(only)):
-                if not cached.agent_id.startswith("#"):
+                if not is_anonymous(cached.agent_id):
                     infos[cached.agent_id] = AgentInfo(
                         cached.agent_id, cached.num_tokens, "memory", cached.last_used_s_ago
                     )
