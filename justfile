@@ -47,6 +47,7 @@ bench:
     {{fast}} {{py}} -m bench.model_swap
     {{fast}} {{py}} -m bench.agent_replay
     {{fast}} {{py}} -m bench.hostile_load
+    {{fast}} {{py}} -m bench.structured_output
 
 # Only the multi-agent replay against mlx_lm.server (pass e.g. --agents 1 4).
 bench-replay *ARGS:

@@ -2,7 +2,9 @@
 
 Every request is a message to an actor: a named agent's actor serialises its turns, evictions and
 deletion (a delete waits for the running turn, so nothing resurrects the agent); an anonymous
-request gets an actor of its own that ends with the request. An idle actor stops after
+request gets an actor of its own that ends with the request. A stateless turn that diverges
+from the agent's cached history (a side request, see history_marks.py) runs as an anonymous fork
+and does not hold the mailbox while it decodes. An idle actor stops after
 `idle_s` and is recreated on demand, so memory stays bounded however many ids clients invent.
 
 Ask rules (after pykka): a failure while handling a message goes to its asker and the actor lives
@@ -21,9 +23,11 @@ from typing import Any
 from loguru import logger
 
 from semantic.actors.agent_id import AgentId
+from semantic.actors.history_marks import HistoryMark, HistoryMarks
 from semantic.actors.models import ModelHost, ModelSession
 from semantic.actors.turns import (
     PreparedPrompt,
+    PromptBound,
     PromptLimitError,
     TurnRequest,
     TurnStarted,
@@ -94,8 +98,10 @@ class AgentActor:
         mailbox_size: int = 8,
         idle_s: float = 60.0,
         max_prompt_tokens: int | None = None,
+        marks: HistoryMarks | None = None,
     ) -> None:
         self.agent_id = agent_id
+        self._marks = marks if marks is not None else HistoryMarks()  # shared by the system's actors
         self._engine = engine
         self._models = models
         self._on_exit = on_exit
@@ -184,7 +190,12 @@ class AgentActor:
             async with self._models.lease(turn.model) as session:  # no model switch until submitted
                 conversation = await self._kept_conversation(session) if turn.keeps_conversation else None
                 prompt, request = await self._prepare(session, conversation, turn)
+                is_fork = conversation is None and self._is_side_request(session, prompt)
+                if is_fork:
+                    request.agent_id = None  # the engine matches it by content or starts a cache
                 stream = self._engine.submit(request)
+                if is_fork:
+                    return self._answer_fork(reply, session, prompt, stream)
                 committing.enter_context(self._models.committing())  # files stay open until saved
             await self._finish_turn(turn, reply, session, conversation, prompt, stream)
 
@@ -207,6 +218,8 @@ class AgentActor:
             final = await asyncio.shield(stream.done)
             if conversation is not None and isinstance(final, Finished):
                 await self._commit(session, conversation, prompt, final)
+            elif isinstance(final, Finished) and final.reason is not FinishReason.CANCELLED:
+                self._mark_history(session, prompt, final)
         except Exception as error:
             committed.set_exception(error)
             committed.exception()  # retrieved: a reader that left must not warn about it
@@ -215,17 +228,48 @@ class AgentActor:
         committed.set_result(None)
         return None
 
+    def _is_side_request(self, session: ModelSession, prompt: PreparedPrompt) -> bool:
+        """Whether a stateless prompt diverges from this agent's cached history (history_marks.py)."""
+        agent_id, fingerprint = self.agent_id, session.loaded.fingerprint
+        if agent_id is None or not self._marks.is_side_request(agent_id, fingerprint, prompt.token_ids):
+            return False
+        logger.info(
+            "agent {}: a {}-token prompt diverges from its history; it runs as a fork",
+            agent_id,
+            len(prompt.token_ids),
+        )
+        return True
+
+    def _answer_fork(
+        self, reply: asyncio.Future[Any], session: ModelSession, prompt: PreparedPrompt, stream: RequestStream
+    ) -> None:
+        """Hand over a side request without waiting for its end: it leaves this agent's cache alone."""
+        if reply.done():  # the asker left before the turn started
+            stream.cancel()
+            return
+        committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        committed.set_result(None)
+        reply.set_result(TurnStarted(stream, prompt, session.loaded.name, self.agent_id, committed))
+
+    def _mark_history(self, session: ModelSession, prompt: PreparedPrompt, final: Finished) -> None:
+        if self.agent_id is not None:
+            mark = HistoryMark.of_turn(
+                session.loaded.fingerprint, prompt.token_ids, final.num_generated_tokens
+            )
+            self._marks.record(self.agent_id, mark)
+
     async def _prepare(
         self, session: ModelSession, conversation: ConversationRecord | None, turn: TurnRequest
     ) -> tuple[PreparedPrompt, GenerationRequest]:
         """Render and tokenize the turn (in the tokenizer workers), check its length, and make sure
         the agent's cache is in memory if it is on disk."""
+        chat, loaded = session.chat, session.loaded
+        bound = PromptBound(loaded.max_chars_per_token, loaded.context_length, self.max_prompt_tokens)
         if conversation is not None:
-            prompt = await self._models.tokenize(
-                prepare_continuation, session.chat, conversation.token_ids, conversation.system, turn
-            )
+            history, system = conversation.token_ids, conversation.system
+            prompt = await self._models.tokenize(prepare_continuation, chat, history, system, turn, bound)
         else:
-            prompt = await self._models.tokenize(prepare_stateless, session.chat, turn)
+            prompt = await self._models.tokenize(prepare_stateless, chat, turn, bound)
         num_tokens = len(prompt.token_ids)
         if self.max_prompt_tokens is not None and num_tokens > self.max_prompt_tokens:
             del prompt
@@ -237,10 +281,18 @@ class AgentActor:
         if prompt.stop_after_call and prompt.stop_after_call not in sampling.stop:
             sampling = replace(sampling, stop=(*sampling.stop, prompt.stop_after_call))
         request = GenerationRequest(
-            turn.request_id, prompt.token_ids, sampling, model_fingerprint=session.loaded.fingerprint
+            turn.request_id,
+            prompt.token_ids,
+            sampling,
+            model_fingerprint=session.loaded.fingerprint,
+            cache_salt=turn.cache_salt,
         )
+        if prompt.grammar is not None:
+            compile_grammar = session.grammars.matcher
+            grammar, trigger = prompt.grammar.grammar, prompt.grammar.trigger
+            request.grammar = await self._models.tokenize(compile_grammar, grammar, trigger)
         request.agent_id = self.agent_id
-        if await self._restore_from_disk(session):
+        if await self._restore_from_disk(session, turn.cache_salt):
             request.cache_tier_hint = "disk"
         return prompt, request
 
@@ -276,7 +328,7 @@ class AgentActor:
             self._conversation_model = fingerprint
         return self._conversation
 
-    async def _restore_from_disk(self, session: ModelSession) -> bool:
+    async def _restore_from_disk(self, session: ModelSession, cache_salt: str | None) -> bool:
         """Load the agent's cache into the engine if it is on disk and not in memory."""
         persistence, agent_id = session.persistence, self.agent_id
         if persistence is None or agent_id is None:
@@ -288,7 +340,7 @@ class AgentActor:
         if cache is None:
             return False
         try:
-            return await self._engine.ask(RestoreCache(cache, fingerprint))
+            return await self._engine.ask(RestoreCache(cache, fingerprint, cache_salt))
         except Exception as error:  # a file that passed its checks and still does not fit
             await persistence.quarantine(agent_id, f"could not restore it: {error}")
             return False
@@ -307,6 +359,7 @@ class AgentActor:
         """Drop the agent's cache and conversation from memory and disk."""
         assert self.agent_id is not None, "forget sent to an anonymous actor: registry bug"
         self._conversation = None
+        self._marks.forget(self.agent_id)
         if self._engine.loaded is not None:
             await self._engine.ask(DropCache(self.agent_id))
         persistence = self._models.persistence

@@ -25,6 +25,7 @@ from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.chat_format import ChatFormat
 from semantic.engine.commands import Drain, LoadModel, SnapshotCaches, UnloadModel
 from semantic.engine.engine import Engine, EngineConfig, EngineError
+from semantic.engine.grammar import GrammarCompiler
 from semantic.engine.loading import LoadedModel
 from semantic.engine.registry import ModelEntry, ModelRegistry
 from semantic.storage.cache_file import CacheIdentity
@@ -67,6 +68,7 @@ class ModelSession:
     loaded: LoadedModel
     chat: ChatFormat
     persistence: PersistenceActor | None
+    grammars: GrammarCompiler
 
 
 class Holds:
@@ -290,7 +292,8 @@ class ModelHost:
             )
             persistence = PersistenceActor(self.cache_dir, identity)
             await persistence.start()
-        self.session = ModelSession(loaded, ChatFormat(loaded.tokenizer), persistence)
+        grammars = GrammarCompiler(loaded.tokenizer, sorted(loaded.eos_token_ids))
+        self.session = ModelSession(loaded, ChatFormat(loaded.tokenizer), persistence, grammars)
         self.entry = self._last_entry = entry
 
     async def _detach(self, report: SwapReport) -> SwapReport:

@@ -17,8 +17,9 @@ from pathlib import Path
 from semantic.actors.agent import AgentActor, EvictCache, ForgetAgent, OpenConversation, StartTurn
 from semantic.actors.agent_id import AgentId
 from semantic.actors.handle import AgentHandle
+from semantic.actors.history_marks import HistoryMarks
 from semantic.actors.models import ModelHost
-from semantic.actors.turns import TurnRequest, TurnStarted, prepare_stateless
+from semantic.actors.turns import PromptBound, TurnRequest, TurnStarted, prepare_stateless
 from semantic.engine.agent_cache import is_anonymous
 from semantic.engine.commands import ListCaches
 from semantic.engine.default_model import user_cache_dir
@@ -68,6 +69,7 @@ class AgentSystem:
         )
         self._agents: dict[AgentId, AgentActor] = {}
         self._anonymous: set[AgentActor] = set()
+        self._marks = HistoryMarks()  # outlives actors that idle out, so side requests still fork
         self._group: asyncio.TaskGroup | None = None
 
     @property
@@ -120,6 +122,7 @@ class AgentSystem:
             mailbox_size=self.config.mailbox_size,
             idle_s=self.config.actor_idle_s,
             max_prompt_tokens=self.config.max_prompt_tokens,
+            marks=self._marks,
         )
         if agent_id is None:
             self._anonymous.add(actor)
@@ -151,7 +154,9 @@ class AgentSystem:
 
     async def count_tokens(self, turn: TurnRequest) -> int:
         session = await self.models.ready(turn.model)
-        prompt = await self.models.tokenize(prepare_stateless, session.chat, turn)
+        loaded = session.loaded
+        bound = PromptBound(loaded.max_chars_per_token, loaded.context_length, self.config.max_prompt_tokens)
+        prompt = await self.models.tokenize(prepare_stateless, session.chat, turn, bound)
         return len(prompt.token_ids)
 
     async def open_agent(self, agent_id: AgentId, system_prompt: str | None) -> None:

@@ -13,8 +13,16 @@ from typing import Any, Literal
 
 from semantic.actors.agent_id import AgentId
 from semantic.engine.chat_format import ChatFormat, ChatMessage
+from semantic.engine.errors import PromptTooLongError
+from semantic.engine.grammar import (
+    GrammarError,
+    json_schema_grammar,
+    strict_calls_grammar,
+    tool_call_grammar,
+)
 from semantic.engine.request_stream import RequestStream
 from semantic.engine.sampling import SamplingParams
+from semantic.engine.tool_format import HERMES, ToolFormat
 
 
 class UnsupportedContentError(ValueError):
@@ -22,13 +30,34 @@ class UnsupportedContentError(ValueError):
 
 
 class PromptLimitError(ValueError):
-    def __init__(self, num_tokens: int, limit: int) -> None:
+    """`is_lower_bound`: refused by its length before tokenizing, so `num_tokens` is a minimum."""
+
+    def __init__(self, num_tokens: int, limit: int, is_lower_bound: bool = False) -> None:
         super().__init__(
-            f"prompt tokens: {num_tokens} is more than this server allows "
-            f"({limit}, set by limits.max_prompt_tokens)"
+            f"prompt tokens: {'at least ' if is_lower_bound else ''}{num_tokens} is more than this "
+            f"server allows ({limit}, set by limits.max_prompt_tokens)"
+            + ("; counted from its length, before tokenizing" if is_lower_bound else "")
         )
         self.num_tokens = num_tokens
         self.limit = limit
+
+
+@dataclass(frozen=True, slots=True)
+class PromptBound:
+    """The token limits a prompt must fit, checked on its rendered text before it is tokenized: no
+    token spans more than `max_chars_per_token` characters, so a text longer than that many times
+    the limit is over it whatever it holds, and is refused without paying to tokenize it."""
+
+    max_chars_per_token: int
+    context_length: int
+    max_prompt_tokens: int | None = None
+
+    def refuse_obviously_long(self, text: str, num_kept_tokens: int = 0) -> None:
+        at_least = num_kept_tokens + len(text) // self.max_chars_per_token
+        if self.max_prompt_tokens is not None and at_least > self.max_prompt_tokens:
+            raise PromptLimitError(at_least, self.max_prompt_tokens, is_lower_bound=True)
+        if at_least >= self.context_length:
+            raise PromptTooLongError(at_least, self.context_length, is_lower_bound=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +82,21 @@ class TurnRequest:
     keeps_conversation: bool = False
     # Already tokenized (embedding apps, benchmarks): used as is instead of rendering `messages`.
     prompt_token_ids: list[int] | None = None
+    # The JSON schema the whole reply must follow (OpenAI `response_format`, Anthropic
+    # `output_config.format`); enforced by a grammar while decoding.
+    output_schema: dict[str, Any] | None = None
+    # Scopes prefix-block sharing: only turns with the same salt share KV blocks (the edge folds
+    # the caller's namespace in; see protocols/tenancy.py).
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputGrammar:
+    """The llguidance grammar (engine/grammar.py) the reply is decoded under: from its first token,
+    or, with a `trigger`, from each place the reply writes it (a tool call's opening) on."""
+
+    grammar: str
+    trigger: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +108,9 @@ class PreparedPrompt:
     # A forced call ends the turn: generation stops at the call's closing text (never reported as
     # a client's stop sequence).
     stop_after_call: str | None = None
+    grammar: OutputGrammar | None = None
+    tool_format: ToolFormat = HERMES  # how the model writes calls, for the reply's tool-call parser
+    tools: list[dict[str, Any]] | None = None  # the request's tools: parsers type arguments by them
 
 
 @dataclass(slots=True)
@@ -90,7 +137,9 @@ def forced_prefix(chat: ChatFormat, choice: ToolChoice, names: list[str]) -> str
     return chat.forced_call_prefix(name)
 
 
-def prepare_stateless(chat: ChatFormat, turn: TurnRequest) -> PreparedPrompt:
+def prepare_stateless(
+    chat: ChatFormat, turn: TurnRequest, bound: PromptBound | None = None
+) -> PreparedPrompt:
     """Tokenizer worker: the whole conversation the client sent, rendered and encoded."""
     if turn.prompt_token_ids is not None:
         if not turn.prompt_token_ids:
@@ -100,14 +149,59 @@ def prepare_stateless(chat: ChatFormat, turn: TurnRequest) -> PreparedPrompt:
         raise UnsupportedContentError("messages: none has content the model can read")
     prefix = forced_prefix(chat, turn.tool_choice, tool_names(turn.tools))
     text = chat.render(turn.messages, turn.tools) + turn.prefill + prefix
+    if bound is not None:
+        bound.refuse_obviously_long(text)
     parses_tools = turn.tools is not None and turn.tool_choice.mode != "none"
     stop_after_call = chat.tool_call_closer if prefix else None
-    return PreparedPrompt(chat.encode(text), prefix, parses_tools, text[-512:], stop_after_call)
+    grammar = output_grammar(chat, turn, prefix)
+    return PreparedPrompt(
+        chat.encode(text), prefix, parses_tools, text[-512:], stop_after_call, grammar,
+        tool_format=chat.tool_format, tools=turn.tools,
+    )  # fmt: skip
+
+
+def output_grammar(chat: ChatFormat, turn: TurnRequest, call_prefix: str) -> OutputGrammar | None:
+    """What the reply is decoded under: a forced call's arguments follow its tool's schema; otherwise
+    the reply follows the requested output schema; otherwise calls to `strict` tools follow theirs
+    whenever the model opens one. Raises GrammarError where that cannot be enforced."""
+    tools = turn.tools or []
+    strict = [tool for tool in tools if tool["function"].get("strict")]
+    arguments_key = _arguments_key(chat.forced_call_prefix("tool") or "")
+    if (call_prefix or strict) and arguments_key is None:
+        if strict:
+            raise GrammarError("tools: strict calls cannot be enforced in this model's tool-call format")
+        return None
+    assert arguments_key is not None or not (call_prefix or strict), "checked above"
+    if call_prefix and tools:
+        named = [tool for tool in tools if tool["function"]["name"] in call_prefix] or tools
+        grammar = tool_call_grammar(call_prefix, str(arguments_key), named, chat.tool_call_closer, "tools")
+        return OutputGrammar(grammar) if grammar else None
+    if turn.output_schema is not None:
+        return OutputGrammar(json_schema_grammar(turn.output_schema, "output format"))
+    if strict and turn.tool_choice.mode != "none":
+        grammar = strict_calls_grammar(strict, str(arguments_key), chat.tool_call_closer, "tools")
+        return OutputGrammar(grammar, trigger=chat.tool_call_opener)
+    return None
+
+
+def _arguments_key(named_prefix: str) -> str | None:
+    """`arguments` in `{"name": "tool", "arguments": ` (JSON call formats); None for others."""
+    head = '"name": "tool", "'
+    at = named_prefix.rfind(head)
+    if at < 0 or not named_prefix.endswith('": '):
+        return None
+    return named_prefix[at + len(head) : -3]
 
 
 def prepare_continuation(
-    chat: ChatFormat, history: list[int], system: str | None, turn: TurnRequest
+    chat: ChatFormat,
+    history: list[int],
+    system: str | None,
+    turn: TurnRequest,
+    bound: PromptBound | None = None,
 ) -> PreparedPrompt:
     """Tokenizer worker: a kept conversation's token ids plus the template's text for the new turn."""
     suffix = chat.continuation(system, turn.messages) if history else chat.opening(system, turn.messages)
+    if bound is not None:
+        bound.refuse_obviously_long(suffix, num_kept_tokens=len(history))
     return PreparedPrompt(history + chat.encode(suffix), "", False, suffix[-512:])

@@ -1,11 +1,12 @@
 """Agents' KV caches in the block pool: token-exact prefix reuse, sharing, LRU eviction.
 
 Runs on the engine thread only. An agent's cache is its token ids plus pool blocks: full blocks
-are hashed (parent hash + tokens) and shared by every agent with the same prefix; the last,
-partial block is private. A block's payload holds, for each full-attention layer, that block's
-keys and values. Sliding-window layers cannot be cut at an arbitrary token, so their state is
-kept as a snapshot taken where the agent's tokens end and reused only by a prompt that extends
-all of those tokens.
+are hashed (parent hash + tokens, the chain rooted in the request's cache salt) and shared by
+every agent with the same prefix and salt; the last, partial block is private. An agent reuses
+its own cache whatever the salt: agent ids are already scoped per namespace at the edge. A block's
+payload holds, for each full-attention layer, that block's keys and values. Sliding-window
+layers cannot be cut at an arbitrary token, so their state is kept as a snapshot taken where the
+agent's tokens end and reused only by a prompt that extends all of those tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import mlx.core as mx
 from loguru import logger
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from semantic.engine.block_pool import BlockPool, hash_block_tokens, hash_prefix_blocks
+from semantic.engine.block_pool import BlockPool, hash_block_tokens, hash_prefix_blocks, salt_root
 from semantic.engine.cache_spec import ModelCacheSpec
 
 # None for an agent with no tokens yet.
@@ -45,6 +46,7 @@ class AgentCache:
     sliding_states: list[tuple[Any, ...]]
     last_used: float = field(default_factory=time.monotonic)
     num_running: int = 0
+    salt: str | None = None  # the cache salt its full blocks are filed under
 
     @property
     def num_tokens(self) -> int:
@@ -88,23 +90,23 @@ class AgentCacheStore:
         self.evicted: list[CacheSnapshot] = []
         self._anonymous_ids = itertools.count()
 
-    def resolve_agent_id(self, agent_id: str | None, prompt: list[int]) -> str:
-        """An explicit id wins; otherwise the cached agent whose tokens the prompt extends."""
+    def resolve_agent_id(self, agent_id: str | None, prompt: list[int], salt: str | None = None) -> str:
+        """An explicit id wins; otherwise the cached agent (same salt) whose tokens the prompt extends."""
         if agent_id is not None:
             return agent_id
         best, best_len = None, 0
         for agent in self.agents.values():
-            if is_anonymous(agent.agent_id) and agent.num_running == 0:
+            if is_anonymous(agent.agent_id) and agent.num_running == 0 and agent.salt == salt:
                 shared = common_prefix_length(agent.token_ids, prompt)
                 if shared == agent.num_tokens and shared > best_len:
                     best, best_len = agent.agent_id, shared
         return best or f"{ANONYMOUS_PREFIX}{next(self._anonymous_ids)}"
 
-    def prepare(self, agent_id: str, prompt: list[int]) -> PreparedPrompt:
+    def prepare(self, agent_id: str, prompt: list[int], salt: str | None = None) -> PreparedPrompt:
         """Build per-layer caches holding the longest reusable prefix of `prompt`."""
         agent = self.agents.get(agent_id)
         if agent is None:
-            return self._prepare_shared_prefix(agent_id, prompt)
+            return self._prepare_shared_prefix(agent_id, prompt, salt)
         agent.last_used = time.monotonic()
         shared = common_prefix_length(agent.token_ids, prompt)
         # At least one prompt token must be prefilled to produce the next token's logits.
@@ -130,30 +132,31 @@ class AgentCacheStore:
         caches = self._build_caches(agent, num_reused)
         return PreparedPrompt(agent_id, caches, num_reused, "memory" if num_reused else "none")
 
-    def num_reusable(self, agent_id: str | None, prompt: list[int]) -> int:
+    def num_reusable(self, agent_id: str | None, prompt: list[int], salt: str | None = None) -> int:
         """How many leading prompt tokens `prepare` would take from memory (for scheduling)."""
         agent = self.agents.get(agent_id) if agent_id is not None else None
         if agent is None:
-            return len(self._shared_block_ids(prompt)) * self.spec.block_size
+            return len(self._shared_block_ids(prompt, salt)) * self.spec.block_size
         return min(common_prefix_length(agent.token_ids, prompt), len(prompt) - 1)
 
-    def _shared_block_ids(self, prompt: list[int]) -> list[int]:
+    def _shared_block_ids(self, prompt: list[int], salt: str | None) -> list[int]:
         """The pool's full blocks that hold `prompt`'s leading tokens (none for sliding-window models)."""
         if self.spec.has_sliding_layers:
             return []
         size = self.spec.block_size
         block_ids: list[int] = []
         # Not the last prompt token: at least one must be prefilled for the next token's logits.
-        for index, block_hash in enumerate(hash_prefix_blocks(prompt[:-1], size)):
+        for index, block_hash in enumerate(hash_prefix_blocks(prompt[:-1], size, salt)):
             block_id = self.pool.get_cached_block(block_hash, prompt[index * size : (index + 1) * size])
             if block_id is None:
                 break
             block_ids.append(block_id)
         return block_ids
 
-    def _prepare_shared_prefix(self, agent_id: str, prompt: list[int]) -> PreparedPrompt:
-        """A new agent still reuses full blocks another agent published (full-attention models)."""
-        block_ids = self._shared_block_ids(prompt)
+    def _prepare_shared_prefix(self, agent_id: str, prompt: list[int], salt: str | None) -> PreparedPrompt:
+        """A new agent still reuses full blocks another agent published under the same salt
+        (full-attention models)."""
+        block_ids = self._shared_block_ids(prompt, salt)
         if not block_ids:
             return PreparedPrompt(agent_id, self._new_caches(), 0, "none")
         num_reused = len(block_ids) * self.spec.block_size
@@ -204,15 +207,21 @@ class AgentCacheStore:
         return caches
 
     def store(
-        self, agent_id: str, token_ids: list[int], layer_caches: list[Any], reserved: list[int]
+        self,
+        agent_id: str,
+        token_ids: list[int],
+        layer_caches: list[Any],
+        reserved: list[int],
+        salt: str | None = None,
     ) -> list[int]:
-        """Keep a finished turn's cache; returns the reserved blocks it did not use."""
+        """Keep a finished turn's cache, its full blocks filed under `salt`; returns the reserved
+        blocks it did not use."""
         assert len(layer_caches) == self.spec.num_layers, "cache layers do not match the spec: engine bug"
         size = self.spec.block_size
         full_kv = [_kv_of(layer_caches[layer], len(token_ids)) for layer in self.spec.full_layer_ids]
         spare = list(reserved)
         block_ids: list[int] = []
-        parent = None
+        parent = salt_root(salt)
         for start in range(0, len(token_ids), size):
             tokens = token_ids[start : start + size]
             if len(tokens) == size:
@@ -235,20 +244,22 @@ class AgentCacheStore:
         previous = self.agents.get(agent_id)
         num_running = previous.num_running if previous else 0
         self.agents[agent_id] = AgentCache(
-            agent_id, list(token_ids), block_ids, sliding, num_running=num_running
+            agent_id, list(token_ids), block_ids, sliding, num_running=num_running, salt=salt
         )
         if previous is not None:
             self.pool.free(previous.block_ids)
         return spare
 
-    def publish_prefix(self, token_ids: list[int], layer_caches: list[Any], spare: list[int]) -> list[int]:
+    def publish_prefix(
+        self, token_ids: list[int], layer_caches: list[Any], spare: list[int], salt: str | None = None
+    ) -> list[int]:
         """Publish the full blocks of `token_ids` that the pool lacks, in blocks taken from `spare`
         (a running request's reservation), so other prompts share them before this one finishes.
         Returns the blocks it filled; each keeps the reference it had in `spare` until freed."""
         if self.spec.has_sliding_layers:
             return []
         size = self.spec.block_size
-        hashes = hash_prefix_blocks(token_ids, size)
+        hashes = hash_prefix_blocks(token_ids, size, salt)
         full_kv = [_kv_of(layer_caches[layer], len(hashes) * size) for layer in self.spec.full_layer_ids]
         published: list[int] = []
         for start, block_hash in zip(range(0, len(hashes) * size, size), hashes, strict=True):
@@ -309,15 +320,16 @@ class AgentCacheStore:
         )
         return CacheSnapshot(agent_id, list(agent.token_ids), full_layers, list(agent.sliding_states))
 
-    def restore(self, snapshot: CacheSnapshot) -> None:
-        """Put a snapshot (loaded from disk) back into the pool as this agent's cache."""
+    def restore(self, snapshot: CacheSnapshot, salt: str | None = None) -> None:
+        """Put a snapshot (loaded from disk) back into the pool as this agent's cache, its full
+        blocks filed under the salt of the turn that needs it."""
         self.drop(snapshot.agent_id)
         num_tokens = len(snapshot.token_ids)
         caches = self._layer_caches(snapshot.full_layers, num_tokens, snapshot.sliding_layers)
         needed = self.spec.num_blocks_for(num_tokens)
         if not self.pool.can_allocate(needed):
             self.evict_until(needed)
-        self.store(snapshot.agent_id, snapshot.token_ids, caches, [])
+        self.store(snapshot.agent_id, snapshot.token_ids, caches, [], salt)
 
 
 def _kv_of(cache: Any, num_tokens: int) -> tuple[mx.array, mx.array]:

@@ -105,8 +105,9 @@ class Batch:
         request = submit.request
         store = self._store
         try:
-            agent_id = store.resolve_agent_id(request.agent_id, request.prompt_tokens)
-            prepared = store.prepare(agent_id, request.prompt_tokens)
+            salt = request.cache_salt
+            agent_id = store.resolve_agent_id(request.agent_id, request.prompt_tokens, salt)
+            prepared = store.prepare(agent_id, request.prompt_tokens, salt)
             if request.cache_tier_hint and prepared.num_cached_tokens:
                 prepared.tier = request.cache_tier_hint
             sampler = make_sampler(request.sampling, self._loaded.vocab_size)
@@ -116,6 +117,7 @@ class Batch:
                 caches=[prepared.caches],
                 all_tokens=[list(request.prompt_tokens[: prepared.num_cached_tokens])],
                 samplers=[sampler],  # type: ignore[list-item]
+                logits_processors=[[request.grammar] if request.grammar is not None else []],
             )
         except BaseException:
             self._pool.free(reserved)
@@ -214,7 +216,10 @@ class Batch:
             return
         try:
             running.published_block_ids = self._store.publish_prefix(
-                prompt[: num_blocks * spec.block_size], extracted[0], running.reserved_block_ids
+                prompt[: num_blocks * spec.block_size],
+                extracted[0],
+                running.reserved_block_ids,
+                running.request.cache_salt,
             )
         except Exception:
             logger.exception("could not share the prompt blocks of request {}", running.request.request_id)
@@ -229,7 +234,11 @@ class Batch:
             layer_caches, tokens = cache
             try:
                 running.reserved_block_ids = self._store.store(
-                    running.agent_id, list(tokens), layer_caches, running.reserved_block_ids
+                    running.agent_id,
+                    list(tokens),
+                    layer_caches,
+                    running.reserved_block_ids,
+                    running.request.cache_salt,
                 )
             except Exception:
                 logger.exception("could not keep the cache of agent {}", running.agent_id)

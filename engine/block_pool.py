@@ -23,10 +23,18 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
     return digest.digest()
 
 
-def hash_prefix_blocks(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """Hashes of every full block of `token_ids`, in order."""
+def salt_root(salt: str | None) -> BlockHash | None:
+    """The chain's root for a cache salt: blocks hashed under different salts never match, so
+    `cached_tokens` cannot tell one salt's caller what another salt's callers sent."""
+    if salt is None:
+        return None
+    return hashlib.blake2b(b"cache-salt\0" + salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[BlockHash]:
+    """Hashes of every full block of `token_ids`, in order, chained from `salt`'s root."""
     hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
+    parent = salt_root(salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start : start + block_size])
         hashes.append(parent)

@@ -4,17 +4,20 @@ Every protocol converts its wire messages to one form, the Hugging Face chat for
 `role` and string `content`, assistant `tool_calls` as `{"type": "function", "function": {"name",
 "arguments": dict}}` and tool results as `role: "tool"`. Templates that know nothing of tools get
 them Hermes-style: the tool list in the system message, calls as `<tool_call>` JSON and results as
-`<tool_response>` user turns, which is also the form our tool-call parser reads back.
+`<tool_response>` user turns, which is also the form our tool-call parser reads back. Templates that
+render tools get them as they are, and the model's calls are read in its own format
+(`engine/tool_format.py`).
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 from typing import Any
 
-ChatMessage = dict[str, Any]
+from semantic.engine.tool_format import HERMES, detect_tool_format
 
-_MARKER = "\u2063semantic-turn-marker\u2063"
+ChatMessage = dict[str, Any]
 
 _TOOL_INSTRUCTIONS = """# Tools
 
@@ -41,21 +44,23 @@ class ChatFormat:
         self.tokenizer = tokenizer
         template = getattr(tokenizer, "chat_template", None) or ""
         self.template_knows_tools = "tools" in template
-        self.tool_call_opener = "<tool_call>\n" if "[TOOL_CALLS]" not in template else "[TOOL_CALLS]["
-        if self.template_knows_tools and "<tool_call>" not in template and "parameters" in template:
-            self.tool_call_opener = ""  # Llama 3.x: a bare JSON object is the call
+        # The parser reads back what the prompt asks for: the model's own format where its template
+        # renders the tools, Hermes where we describe them.
+        self.tool_format = detect_tool_format(tokenizer) if self.template_knows_tools else HERMES
+
+    @property
+    def tool_call_opener(self) -> str:
+        """A call's opening up to the tool's name, less the `{"name": "` head of a JSON call."""
+        return self.tool_format.forced_prefix(None).removesuffix('{"name": "')
 
     @property
     def tool_call_closer(self) -> str | None:
-        """The text that ends one call, where the format has one (Hermes/Qwen `</tool_call>`)."""
-        return "</tool_call>" if self.tool_call_opener.startswith("<tool_call>") else None
+        """The text that ends a call block, where the format has one (Hermes/Qwen `</tool_call>`)."""
+        return self.tool_format.end or None
 
     def forced_call_prefix(self, tool_name: str | None) -> str:
         """Reply text that opens a tool call: to `tool_name`, or to a tool the model names."""
-        arguments_key = "parameters" if self.tool_call_opener == "" else "arguments"
-        if tool_name:
-            return f'{self.tool_call_opener}{{"name": "{tool_name}", "{arguments_key}": '
-        return f'{self.tool_call_opener}{{"name": "'
+        return self.tool_format.forced_prefix(tool_name)
 
     def render(
         self,
@@ -88,15 +93,16 @@ class ChatFormat:
         """The text that follows a finished assistant turn to add `new_messages` and open the next one.
 
         Rendered around a marker reply, so whatever the template puts between turns (end-of-turn
-        tokens, headers) comes out exactly as it would in a full render.
+        tokens, headers) comes out exactly as it would in a full render. The marker is new on every
+        call, so no message can spell it and move the cut.
         """
+        marker = f"\u2063semantic-turn-{secrets.token_hex(16)}\u2063"
         head: list[ChatMessage] = [{"role": "system", "content": system}] if system else []
-        head += [{"role": "user", "content": "."}, {"role": "assistant", "content": _MARKER}]
+        head += [{"role": "user", "content": "."}, {"role": "assistant", "content": marker}]
         text = self.render(head + new_messages)
-        at = text.rfind(_MARKER)
-        if at < 0:
+        if text.count(marker) != 1:
             raise ChatTemplateError("the model's chat template drops assistant turns; cannot continue")
-        return text[at + len(_MARKER) :]
+        return text[text.index(marker) + len(marker) :]
 
     def opening(self, system: str | None, new_messages: list[ChatMessage]) -> str:
         """The whole prompt of a conversation's first turn."""

@@ -82,6 +82,7 @@ class RestoreCache(EngineAsk[bool]):
 
     cache: SerializedCache
     fingerprint: str
+    cache_salt: str | None = None  # of the turn that needs it: its shared blocks are filed under it
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -20,6 +21,7 @@ class EngineConfig:
     shortest_first_max_wait_s: float = 60.0
     tick_s: float = 0.010
     default_dtype: str = "float32"
+    models_dir: Path | None = None  # where the default model is converted; None: the user cache
 
     @property
     def num_prefilled_together(self) -> int:

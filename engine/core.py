@@ -182,10 +182,12 @@ class EngineCore:
                 return self._unload()
             case NeedsRestore(agent_id=agent_id, fingerprint=fingerprint):
                 return runtime is not None and runtime.needs_restore(agent_id, fingerprint)
-            case RestoreCache(cache=cache, fingerprint=fingerprint):
+            case RestoreCache(cache=cache, fingerprint=fingerprint, cache_salt=salt):
                 if runtime is None or runtime.loaded.fingerprint != fingerprint:
                     return False  # the model was swapped while the file was read
-                runtime.restore(cache)
+                num_blocks = runtime.loaded.spec.num_blocks_for(cache.num_tokens)
+                self._scheduler.make_room(runtime, num_blocks, self._scheduler.queued_agent_ids)
+                runtime.restore(cache, salt)
                 return True
             case TakeCache(agent_id=agent_id):
                 return runtime.take(agent_id) if runtime is not None else None

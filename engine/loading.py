@@ -31,6 +31,7 @@ class LoadedModel:
     fingerprint: str
     context_length: int
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    max_chars_per_token: int = 1 << 20  # see longest_token_length
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -45,10 +46,10 @@ def is_default_model(source: str) -> bool:
     return source in DEFAULT_MODEL_SOURCES
 
 
-def resolve_model_path(source: str, default_dtype: str = "float32") -> str:
+def resolve_model_path(source: str, default_dtype: str = "float32", models_dir: Path | None = None) -> str:
     """The local directory or hub id a `--model` value loads from (converting the default model)."""
     if is_default_model(source):
-        return str(ensure_default_model(default_dtype))
+        return str(ensure_default_model(default_dtype, models_dir=models_dir))
     path = Path(source).expanduser()
     if path.is_dir():
         return str(path)
@@ -88,10 +89,14 @@ def context_length_of(model_dir: Path, tokenizer: Any) -> int:
 
 
 def load_model(
-    source: str, block_size: int = 256, default_dtype: str = "float32", name: str | None = None
+    source: str,
+    block_size: int = 256,
+    default_dtype: str = "float32",
+    name: str | None = None,
+    models_dir: Path | None = None,
 ) -> LoadedModel:
     """Load a model with mlx-lm's normal path; call it on the thread that will run the model."""
-    path = resolve_model_path(source, default_dtype)
+    path = resolve_model_path(source, default_dtype, models_dir)
     model, tokenizer = mlx_lm_load(path)  # type: ignore[misc]
     model_dir = Path(path) if Path(path).is_dir() else _hub_snapshot_dir(path)
     mx.eval(model.parameters())
@@ -104,7 +109,15 @@ def load_model(
         fingerprint=fingerprint_model(model_dir),
         context_length=context_length_of(model_dir, tokenizer),
         generation_defaults=generation_defaults_of(model_dir, is_default_model(source)),
+        max_chars_per_token=longest_token_length(tokenizer),
     )
+
+
+def longest_token_length(tokenizer: Any) -> int:
+    """The UTF-8 length of the vocabulary's longest token, special tokens included: no token spans
+    more characters of a text (byte-level vocabularies spell one byte a character, and those
+    characters take up to 2 bytes in UTF-8: a margin for normalizers that join characters)."""
+    return max((len(token.encode()) for token in tokenizer.get_vocab()), default=1)
 
 
 def generation_defaults_of(model_dir: Path, is_default: bool = False) -> GenerationDefaults:

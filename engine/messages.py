@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from semantic.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from semantic.engine.grammar import GrammarMatcher
 
 
 class FinishReason(Enum):
@@ -25,6 +29,10 @@ class GenerationRequest:
     cache_tier_hint: str | None = None
     # The model the prompt was tokenized for; the engine refuses it if another model is loaded.
     model_fingerprint: str | None = None
+    # Roots the prefix-block hash chain: only requests with the same salt share blocks.
+    cache_salt: str | None = None
+    # The logits mask of a constrained reply (engine/grammar.py); the engine thread's from submit on.
+    grammar: GrammarMatcher | None = None
 
 
 @dataclass(slots=True)

@@ -44,7 +44,7 @@ class Runtime:
     ) -> Runtime:
         """Load a model and check mlx-lm's internals we rely on; call on the engine thread."""
         mlx_seams.check_version()
-        loaded = load_model(source, config.block_size, config.default_dtype, name)
+        loaded = load_model(source, config.block_size, config.default_dtype, name, config.models_dir)
         mlx_seams.check_seams(loaded.model)
         mlx_seams.install_cpu_attention()
         spec = loaded.spec
@@ -72,10 +72,10 @@ class Runtime:
     def needs_restore(self, agent_id: str, fingerprint: str) -> bool:
         return self.loaded.fingerprint == fingerprint and agent_id not in self.store.agents
 
-    def restore(self, cache: SerializedCache) -> None:
+    def restore(self, cache: SerializedCache, salt: str | None = None) -> None:
         spec = self.loaded.spec
         snapshot = from_tensors(cache, spec.dtype, len(spec.full_layer_ids), len(spec.sliding_layer_ids))
-        self.store.restore(snapshot)
+        self.store.restore(snapshot, salt)
 
     def take(self, agent_id: str) -> SerializedCache | None:
         agent = self.store.agents.get(agent_id)

@@ -2,7 +2,8 @@
 
 A new prompt batch starts only once the last one is prefilled; waiting requests go in by the
 tokens they still have to prefill, fewest first, and each joins with its KV blocks reserved up
-front (idle agents' caches are evicted, least recently used first, to make room).
+front (idle agents' caches are evicted, least recently used first, to make room; the caches of
+queued requests are spared while anything runs).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from semantic.engine.agent_cache import AgentCacheStore
 from semantic.engine.commands import Submit
 from semantic.engine.config import EngineConfig
 from semantic.engine.errors import ModelChangedError
+from semantic.engine.messages import GenerationRequest
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
 
@@ -69,19 +71,61 @@ class Scheduler:
                 self.waiting.remove(submit)
                 outbox.post(submit.events, refusal)
                 continue
-            if not pool.can_allocate(needed):
-                evicted = runtime.store.evict_until(needed)
-                if evicted:
-                    logger.info("evicted {} agent caches to free {} blocks", len(evicted), needed)
-                if not pool.can_allocate(needed):
-                    return
+            num_reserved = self._make_room(runtime, request, needed)
+            if num_reserved is None:
+                return
             self.waiting.remove(submit)
             slots -= 1
             try:
-                batch.insert(submit, pool.allocate(needed))
+                batch.insert(submit, pool.allocate(num_reserved))
             except Exception as error:
                 logger.exception("request {} failed at admission", request.request_id)
                 outbox.post(submit.events, error)
+
+    @property
+    def queued_agent_ids(self) -> set[str]:
+        return {s.request.agent_id for s in self.waiting if s.request.agent_id is not None}
+
+    def make_room(self, runtime: Runtime, num_blocks: int, spared: set[str]) -> bool:
+        """Evict idle agents' caches, least recently used first and never those in `spared`, until
+        `num_blocks` are free; whether they are."""
+        store, pool = runtime.store, runtime.pool
+        evicted = []
+        for agent in store.evictable():
+            if pool.can_allocate(num_blocks):
+                break
+            if agent.agent_id not in spared:
+                evicted.append(store.evict(agent.agent_id))
+        if evicted:
+            logger.info("evicted {} agent caches to free {} blocks", len(evicted), num_blocks)
+        return pool.can_allocate(num_blocks)
+
+    def _make_room(self, runtime: Runtime, request: GenerationRequest, needed: int) -> int | None:
+        """Free the blocks `request` must reserve (`needed` for its prompt and reply, less the
+        full blocks of its agent's cache that it reuses); how many that is, or None to wait.
+
+        The caches of queued requests are about to be used (one may just have been read from
+        disk), so they are spared while running requests will free blocks; once nothing runs,
+        they go too, this request's own last."""
+        own = request.agent_id
+        reused = self._num_reused_blocks(runtime.store, request)
+        if self.make_room(runtime, needed - reused, self.queued_agent_ids):
+            return needed - reused
+        if len(runtime.batch):
+            return None
+        if self.make_room(runtime, needed - reused, {own} if own is not None else set()):
+            return needed - reused
+        return needed if self.make_room(runtime, needed, set()) else None
+
+    @staticmethod
+    def _num_reused_blocks(store: AgentCacheStore, request: GenerationRequest) -> int:
+        """Full blocks of the agent's cache that `request` starts from. The cache keeps them while
+        the request runs, and its reply's cache shares them (same salt), so they need no reservation."""
+        agent = store.agents.get(request.agent_id) if request.agent_id is not None else None
+        if agent is None or agent.num_running or agent.salt != request.cache_salt:
+            return 0
+        block_size = store.spec.block_size
+        return store.num_reusable(agent.agent_id, request.prompt_tokens, request.cache_salt) // block_size
 
     def _admission_order(self, store: AgentCacheStore, max_wait_s: float) -> list[Submit]:
         """Waiting requests by the tokens they still have to prefill, fewest first, so a returning
@@ -92,7 +136,8 @@ class Scheduler:
         rest = [s for s in self.waiting if now - s.queued_at < max_wait_s]
 
         def uncached(submit: Submit) -> int:
-            prompt = submit.request.prompt_tokens
-            return len(prompt) - store.num_reusable(submit.request.agent_id, prompt)
+            request = submit.request
+            prompt = request.prompt_tokens
+            return len(prompt) - store.num_reusable(request.agent_id, prompt, request.cache_salt)
 
         return overdue + sorted(rest, key=uncached)

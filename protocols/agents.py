@@ -6,6 +6,8 @@ GET    /v1/agents/{id}             one agent
 DELETE /v1/agents/{id}             forget it (memory and disk), after its running turn
 POST   /v1/agents/{id}/messages    a turn, JSON or SSE (`stream: true`)
 POST   /v1/agents/{id}/evict       write its cache to disk and free its memory
+
+With an API keys file each key sees only its own namespace's agents (protocols/tenancy.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from semantic.engine.messages import Finished, PromptStarted
 from semantic.protocols.common import SYSTEM_KEY, SseWriter, json_response
 from semantic.protocols.errors import ApiError, NotFound
 from semantic.protocols.pipeline import TurnEvent, TurnReply, answer_turn, sampling_params
+from semantic.protocols.tenancy import CacheSalt, client_agent_id, is_visible, scoped_cache_salt
 from semantic.protocols.tool_parser import TextPart
 
 PING_FRAME = b": ping\n\n"
@@ -51,6 +54,7 @@ class AgentTurn(msgspec.Struct):
     stop: list[str] = msgspec.field(default_factory=list)
     seed: int | None = None
     model: str | None = None  # a configured model to switch to first; None: the loaded one
+    cache_salt: CacheSalt | None = None  # only turns with the same salt share prefix blocks
 
 
 class TurnUsage(msgspec.Struct):
@@ -75,7 +79,7 @@ _decode_turn = msgspec.json.Decoder(AgentTurn).decode
 
 def _agent_json(info: AgentInfo) -> dict[str, Any]:
     return {
-        "id": info.agent_id,
+        "id": AgentId(info.agent_id).local_id,
         "cached_tokens": info.num_cached_tokens,
         "tier": info.tier,
         "last_used_s_ago": None if info.last_used_s_ago is None else round(info.last_used_s_ago, 3),
@@ -83,44 +87,47 @@ def _agent_json(info: AgentInfo) -> dict[str, Any]:
 
 
 def _agent_id(request: web.Request) -> AgentId:
-    return AgentId(request.match_info["agent_id"])
+    return client_agent_id(request, request.match_info["agent_id"])
 
 
 async def create_agent(request: web.Request) -> web.Response:
     system = request.app[SYSTEM_KEY]
     body = _decode_create(await request.read() or b"{}")
-    agent_id = AgentId(body.id) if body.id is not None else AgentId(f"agent-{uuid.uuid4().hex[:16]}")
+    agent_id = client_agent_id(request, body.id if body.id is not None else f"agent-{uuid.uuid4().hex[:16]}")
     if await system.agent_info(agent_id) is not None:
-        raise ApiError(f"agent {agent_id} already exists; DELETE it first", status=409)
+        raise ApiError(f"agent {agent_id.local_id} already exists; DELETE it first", status=409)
     session = await system.models.ready(body.model)
     await system.open_agent(agent_id, body.system)
-    return json_response({"id": agent_id, "system": body.system, "model": session.loaded.name}, status=201)
+    reply = {"id": agent_id.local_id, "system": body.system, "model": session.loaded.name}
+    return json_response(reply, status=201)
 
 
 async def list_agents(request: web.Request) -> web.Response:
     infos = await request.app[SYSTEM_KEY].list_agents()
-    return json_response({"object": "list", "data": [_agent_json(i) for i in infos]})
+    return json_response(
+        {"object": "list", "data": [_agent_json(i) for i in infos if is_visible(request, i.agent_id)]}
+    )
 
 
 async def get_agent(request: web.Request) -> web.Response:
     agent_id = _agent_id(request)
     info = await request.app[SYSTEM_KEY].agent_info(agent_id)
     if info is None:
-        raise NotFound(f"no agent {agent_id}")
+        raise NotFound(f"no agent {agent_id.local_id}")
     return json_response(_agent_json(info))
 
 
 async def delete_agent(request: web.Request) -> web.Response:
     agent_id = _agent_id(request)
     if not await request.app[SYSTEM_KEY].forget(agent_id):
-        raise NotFound(f"no agent {agent_id}")
-    return json_response({"id": agent_id, "deleted": True})
+        raise NotFound(f"no agent {agent_id.local_id}")
+    return json_response({"id": agent_id.local_id, "deleted": True})
 
 
 async def evict_agent(request: web.Request) -> web.Response:
     agent_id = _agent_id(request)
     evicted = await request.app[SYSTEM_KEY].evict(agent_id)
-    return json_response({"id": agent_id, "evicted": evicted})
+    return json_response({"id": agent_id.local_id, "evicted": evicted})
 
 
 async def post_message(request: web.Request) -> web.StreamResponse:
@@ -134,11 +141,17 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         raise ApiError("send `content` (a user message) or `messages`")
     sampling = sampling_params(request, body, body.max_tokens, tuple(body.stop))
     turn = TurnRequest(
-        f"turn-{uuid.uuid4().hex}", agent_id, messages, sampling, model=body.model, keeps_conversation=True
+        f"turn-{uuid.uuid4().hex}",
+        agent_id,
+        messages,
+        sampling,
+        model=body.model,
+        keeps_conversation=True,
+        cache_salt=scoped_cache_salt(request, body.cache_salt),
     )
 
     def reply(started: TurnStarted, sse: SseWriter | None) -> TurnReply:
-        return AgentReply(started, turn.request_id, agent_id, sse)
+        return AgentReply(started, turn.request_id, agent_id.local_id, sse)
 
     return await answer_turn(request, turn, body.stream, reply, PING_FRAME)
 
@@ -146,7 +159,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
 class AgentReply:
     """`event: start`, `event: delta` per piece of text, `event: done`; or the TurnResult as JSON."""
 
-    def __init__(self, started: TurnStarted, turn_id: str, agent_id: AgentId, sse: SseWriter | None) -> None:
+    def __init__(self, started: TurnStarted, turn_id: str, agent_id: str, sse: SseWriter | None) -> None:
         self.turn_id = turn_id
         self.agent_id = agent_id
         self.sse = sse

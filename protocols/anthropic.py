@@ -15,13 +15,13 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 
-from semantic.actors.agent_id import agent_id_from
 from semantic.actors.turns import PromptLimitError, TurnRequest, TurnStarted, UnsupportedContentError
 from semantic.engine.engine import PromptTooLongError
 from semantic.engine.messages import Finished, FinishReason, PromptStarted
 from semantic.protocols.anthropic_wire import (
     MessagesRequest,
     decode_request,
+    output_schema,
     split_prefill,
     to_chat_messages,
     tool_choice,
@@ -32,6 +32,7 @@ from semantic.protocols.errors import ApiError
 from semantic.protocols.observe import admit
 from semantic.protocols.pipeline import CollectedReply, TurnEvent, TurnReply, answer_turn, sampling_params
 from semantic.protocols.reasoning import ThinkingEnd, ThinkingPart
+from semantic.protocols.tenancy import request_agent_id, scoped_cache_salt
 from semantic.protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallStart
 
 _ID_ALPHABET = string.ascii_letters + string.digits
@@ -99,13 +100,15 @@ def to_turn(request: web.Request, body: MessagesRequest, counting: bool = False)
     sampling = sampling_params(request, body, body.max_tokens, tuple(body.stop_sequences))
     return TurnRequest(
         request_id=new_id("msg_"),
-        agent_id=agent_id_from(request.headers),
+        agent_id=request_agent_id(request),
+        cache_salt=scoped_cache_salt(request, body.cache_salt),
         messages=messages,
         sampling=sampling,
         model=body.model,
         tools=tool_schemas(body.tools),
         tool_choice=tool_choice(body.tool_choice),
         prefill=prefill,
+        output_schema=output_schema(body),
     )
 
 

@@ -16,6 +16,7 @@ import msgspec
 from semantic.actors.turns import ToolChoice as TurnToolChoice
 from semantic.actors.turns import UnsupportedContentError
 from semantic.engine.chat_format import ChatMessage
+from semantic.protocols.tenancy import CacheSalt
 
 _VOLATILE_LINES = re.compile(r"^x-anthropic-billing-header:.*(?:\n|$)", re.MULTILINE)
 
@@ -74,12 +75,22 @@ class Tool(msgspec.Struct):
     description: str | None = None
     input_schema: dict[str, Any] = msgspec.field(default_factory=dict)
     type: str | None = None
+    strict: bool | None = None
 
 
 class ToolChoice(msgspec.Struct):
     type: Literal["auto", "any", "tool", "none"] = "auto"
     name: str | None = None
     disable_parallel_tool_use: bool = False
+
+
+class OutputFormat(msgspec.Struct, tag="json_schema", tag_field="type"):
+    schema: dict[str, Any]
+
+
+class OutputConfig(msgspec.Struct):
+    format: OutputFormat | None = None
+    effort: str | None = None
 
 
 class MessagesRequest(msgspec.Struct):
@@ -94,6 +105,16 @@ class MessagesRequest(msgspec.Struct):
     top_k: int | None = None
     tools: list[Tool] = msgspec.field(default_factory=list)
     tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the structured-outputs beta's older field
+    cache_salt: CacheSalt | None = None  # vLLM's: only requests with the same salt share prefix blocks
+
+
+def output_schema(body: MessagesRequest) -> dict[str, Any] | None:
+    """The JSON schema the reply must follow (`output_config.format`, or the beta `output_format`)."""
+    if body.output_config is not None and body.output_config.format is not None:
+        return body.output_config.format.schema
+    return body.output_format.schema if body.output_format is not None else None
 
 
 def system_text(system: str | list[TextBlock] | None) -> str | None:
@@ -174,6 +195,7 @@ def tool_schemas(tools: list[Tool]) -> list[dict[str, Any]] | None:
                 "name": tool.name,
                 "description": tool.description or "",
                 "parameters": tool.input_schema,
+                "strict": tool.strict,
             },
         }
         for tool in tools

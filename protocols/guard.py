@@ -1,11 +1,11 @@
-"""What a request must pass before it reaches the agents: the API key, shutdown, limits, rates.
+"""What a request must pass before it reaches the agents: the API key (and the caller's namespace,
+see tenancy.py), shutdown, limits, rates.
 
 The admission counter and the token buckets live on the event loop and are touched only there.
 """
 
 from __future__ import annotations
 
-import hmac
 import math
 import time
 from collections import OrderedDict
@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from semantic.actors.agent_id import AgentId
 from semantic.config import Settings
-from semantic.protocols.errors import Overloaded, RateLimited, ShuttingDown, Unauthorized
+from semantic.protocols.errors import Overloaded, RateLimited, ShuttingDown
+from semantic.protocols.tenancy import TENANT_KEY, Tenancy
 
 OPEN_PATHS = ("/health/",)  # answered without an API key and during shutdown
 MAX_TRACKED_AGENTS = 10_000
@@ -46,7 +48,7 @@ class Gate:
     """Admission for generation requests: at most `max_batch_size + max_queued` in flight."""
 
     def __init__(self, settings: Settings) -> None:
-        self.api_key = settings.server.api_key
+        self.tenancy = Tenancy.from_settings(settings.server)
         self.capacity = settings.engine.max_batch_size + settings.limits.max_queued
         self.num_in_flight = 0
         self.is_shutting_down = False
@@ -56,18 +58,16 @@ class Gate:
         self._agents: OrderedDict[str, TokenBucket] = OrderedDict()
 
     def check_key(self, request: web.Request) -> None:
-        if self.api_key is None or request.path.startswith(OPEN_PATHS):
+        """Refuse a missing or unknown key (401); note the caller's namespace on the request."""
+        if self.tenancy is None or request.path.startswith(OPEN_PATHS):
             return
         given = request.headers.get("x-api-key", "")
         authorization = request.headers.get("Authorization", "")
         if not given and authorization.lower().startswith("bearer "):
             given = authorization[7:].strip()
-        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-            what = "an invalid API key" if given else "no API key"
-            raise Unauthorized(
-                f"this server needs an API key and the request has {what}; send it as "
-                "`x-api-key: KEY` or `Authorization: Bearer KEY`"
-            )
+        tenant = self.tenancy.tenant_of(given)
+        if tenant is not None:
+            request[TENANT_KEY] = tenant
 
     def check_open(self, request: web.Request) -> None:
         if self.is_shutting_down and not request.path.startswith(OPEN_PATHS):
@@ -94,7 +94,8 @@ class Gate:
                 self._agents.popitem(last=False)
             if wait := bucket.take():
                 raise RateLimited(
-                    f"agent {agent_id!r} is over its rate limit of {rate:g} requests/s (burst {burst})",
+                    f"agent {AgentId(agent_id).local_id!r} is over its rate limit of {rate:g} "
+                    f"requests/s (burst {burst})",
                     headers={"Retry-After": str(math.ceil(wait))},
                 )
         self.num_in_flight += 1

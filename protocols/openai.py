@@ -14,7 +14,6 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 
-from semantic.actors.agent_id import agent_id_from
 from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.engine.messages import Finished, FinishReason, PromptStarted
 from semantic.protocols.common import SYSTEM_KEY, SseWriter
@@ -24,11 +23,13 @@ from semantic.protocols.openai_wire import (
     FunctionCall,
     ToolCall,
     decode_request,
+    output_schema,
     to_chat_messages,
     tool_choice,
 )
 from semantic.protocols.pipeline import CollectedReply, TurnEvent, TurnReply, answer_turn, sampling_params
 from semantic.protocols.reasoning import ThinkingPart
+from semantic.protocols.tenancy import request_agent_id, scoped_cache_salt
 from semantic.protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallStart
 
 _FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
@@ -118,13 +119,15 @@ def to_turn(request: web.Request, body: ChatCompletionRequest) -> TurnRequest:
     sampling = sampling_params(request, body, max_tokens, stop)
     return TurnRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
-        agent_id=agent_id_from(request.headers, body.session_id),
+        agent_id=request_agent_id(request, body.session_id),
+        cache_salt=scoped_cache_salt(request, body.cache_salt),
         messages=messages,
         sampling=sampling,
         model=body.model,
         tools=[msgspec.to_builtins(tool) for tool in body.tools] if body.tools else None,
         tool_choice=tool_choice(body),
         prefill=prefill,
+        output_schema=output_schema(body),
     )
 
 

@@ -9,6 +9,7 @@ import msgspec
 
 from semantic.actors.turns import ToolChoice
 from semantic.engine.chat_format import ChatMessage as TemplateMessage
+from semantic.protocols.tenancy import CacheSalt
 
 
 class ContentPart(msgspec.Struct):
@@ -39,6 +40,7 @@ class FunctionSpec(msgspec.Struct):
     name: str
     description: str | None = None
     parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+    strict: bool | None = None
 
 
 class ToolSpec(msgspec.Struct):
@@ -53,6 +55,18 @@ class NamedFunction(msgspec.Struct):
 class NamedToolChoice(msgspec.Struct):
     function: NamedFunction
     type: str = "function"
+
+
+class JsonSchemaFormat(msgspec.Struct):
+    name: str = "response"
+    schema: dict[str, Any] = msgspec.field(default_factory=dict)
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(msgspec.Struct):
@@ -77,6 +91,8 @@ class ChatCompletionRequest(msgspec.Struct):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # vLLM's extension: the final assistant message is a prefill the reply continues.
     continue_final_message: bool = False
+    response_format: ResponseFormat | None = None
+    cache_salt: CacheSalt | None = None  # vLLM's: only requests with the same salt share prefix blocks
 
 
 def _text_of(message: ChatMessage) -> str:
@@ -123,6 +139,18 @@ def tool_choice(body: ChatCompletionRequest) -> ToolChoice:
     if choice == "none":
         return ToolChoice("none")
     return ToolChoice()
+
+
+def output_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The JSON schema `response_format` asks the reply to follow (enforced, `strict` or not)."""
+    form = body.response_format
+    if form is None or form.type == "text":
+        return None
+    if form.type == "json_object":
+        return {"type": "object"}
+    if form.json_schema is None:
+        raise ValueError("response_format.json_schema: required when type is json_schema")
+    return form.json_schema.schema or {"type": "object"}
 
 
 decode_request = msgspec.json.Decoder(ChatCompletionRequest).decode

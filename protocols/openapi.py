@@ -7,11 +7,23 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from semantic.actors.agent_id import MAX_AGENT_ID_LENGTH
 from semantic.protocols import agents, anthropic, openai
 from semantic.protocols.admin import LoadModel
 from semantic.protocols.errors import AgentError, AnthropicError, OpenAIError
 
-SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# One server-sent event (before Open API 3.2's `itemSchema`, a stream's `schema` describes each event).
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
+SSE = {"text/event-stream": {"schema": SSE_EVENT}}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
@@ -26,6 +38,7 @@ def _operation(
     reply: type | dict[str, Any] | None = None,
     streams: bool = False,
     status: str = "200",
+    body_requires: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     content: dict[str, Any] = {
         "application/json": {"schema": _ref(reply) if isinstance(reply, type) else reply or ANY_OBJECT}
@@ -40,11 +53,57 @@ def _operation(
         },
     }
     if body is not None:
-        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(body)}}}
+        schema: dict[str, Any] = _ref(body)
+        if body_requires:  # fields this operation needs that the shared body leaves optional
+            schema = {"allOf": [schema, {"required": list(body_requires), "properties": body_requires}]}
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
     return operation
 
 
-AGENT_ID = [{"name": "agent_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+# What `AgentId` accepts from a client (actors/agent_id.py), so generated ids reach the handlers.
+AGENT_ID_SCHEMA = {
+    "type": "string",
+    "pattern": f"^[A-Za-z0-9_][A-Za-z0-9._-]{{0,{MAX_AGENT_ID_LENGTH - 1}}}$",
+}
+AGENT_ID = [{"name": "agent_id", "in": "path", "required": True, "schema": AGENT_ID_SCHEMA}]
+
+
+SAMPLING_RANGES: dict[str, dict[str, Any]] = {
+    "max_tokens": {"minimum": 1},
+    "max_completion_tokens": {"minimum": 1},
+    "temperature": {"minimum": 0, "maximum": 2},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": 0},
+    "seed": {"minimum": 0, "maximum": 2**64 - 1},
+}
+
+
+def _refine(components: dict[str, Any]) -> None:
+    """Rules the handlers check that the wire Structs do not state (engine/sampling.py's ranges,
+    each API's own), so that generated valid requests are valid."""
+    for request in ("MessagesRequest", "ChatCompletionRequest", "AgentTurn"):
+        properties = components[request]["properties"]
+        for name, limits in SAMPLING_RANGES.items():
+            if name in properties:
+                _restrict(properties[name], limits)
+    for request in ("MessagesRequest", "ChatCompletionRequest"):
+        components[request]["properties"]["messages"]["minItems"] = 1
+    _restrict(components["MessagesRequest"]["properties"]["temperature"], {"maximum": 1})
+    components["ChatCompletionRequest"]["properties"]["n"] = {"const": 1, "default": 1}
+    turn = components["AgentTurn"]
+    turn["anyOf"] = [{"required": ["content"]}, {"required": ["messages"]}]
+    turn["properties"]["content"] = {"type": "string"}
+    turn["properties"]["messages"]["anyOf"][0]["minItems"] = 1
+    optional_agent_id = {"anyOf": [AGENT_ID_SCHEMA, {"type": "null"}], "default": None}
+    components["CreateAgent"]["properties"]["id"] = optional_agent_id
+    components["ChatCompletionRequest"]["properties"]["session_id"] = optional_agent_id
+
+
+def _restrict(schema: dict[str, Any], limits: dict[str, Any]) -> None:
+    """Add `limits` to a number schema, or to the number branch of an optional one."""
+    for branch in schema.get("anyOf", [schema]):
+        if branch.get("type") in ("integer", "number"):
+            branch.update(limits)
 
 
 def build() -> dict[str, Any]:
@@ -63,6 +122,7 @@ def build() -> dict[str, Any]:
         AgentError,
     ]
     _, components = msgspec.json.schema_components(wire_types, ref_template="#/components/schemas/{name}")
+    _refine(components)
     paths: dict[str, Any] = {
         "/v1/messages": {
             "post": _operation(
@@ -71,6 +131,7 @@ def build() -> dict[str, Any]:
                 anthropic.MessagesRequest,
                 anthropic.MessageResponse,
                 True,
+                body_requires={"max_tokens": {"type": "integer", "minimum": 1}},  # not count_tokens
             )
         },
         "/v1/messages/count_tokens": {

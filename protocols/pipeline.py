@@ -133,7 +133,7 @@ async def turn_events(started: TurnStarted) -> AsyncIterator[TurnEvent]:
     the prompt starts; a reply that starts inside a `<think>` block begins as reasoning.
     """
     prompt = started.prompt
-    parser = ToolCallParser(enabled=prompt.parses_tools)
+    parser = ToolCallParser(prompt.tool_format, prompt.tools, enabled=prompt.parses_tools)
     reasoning = None if prompt.reply_prefix else ReasoningSplitter(prompt_opens_thinking(prompt.text_tail))
 
     def split(text: str, final: bool = False) -> list[TurnEvent]:

@@ -1,22 +1,33 @@
-"""Tool calls out of generated text, streamed: text, then a call's name, then its arguments.
+"""Tool calls out of generated text, streamed: text as it arrives, then each call once it is closed.
 
-Reads the forms common chat models use: Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>`,
-Mistral `[TOOL_CALLS][{...}]`, Llama 3.x `<|python_tag|>{...}` or a bare `{"name", "parameters"}`
-object as the whole reply. A call's arguments are passed on while they are generated; text that
-only looked like a call comes back as text, never as an error.
+The served model's format (`engine/tool_format.py`) gives the markers around a call block and the
+parser of what is between them, both from mlx-lm. mlx-lm's own `TextStateMachine` splits the
+stream at the markers, holding back only what may be the start of one; a closed block goes to
+mlx-lm's `parse_tool_call` with the request's tools (its parsers type the arguments by the tools'
+schemas), and each call in it comes out as ToolCallStart, one ToolArgumentsDelta holding the
+arguments' JSON, and ToolCallEnd.
+
+Ours, where mlx-lm has nothing (its server drops what fails to parse and takes what parses as is):
+- a block that no parser reads comes back as text, markers included, so text that only looked
+  like a call stays text;
+- a JSON call with trailing junk is read up to its value's end, and one cut off by the end of
+  generation (max_tokens) is closed into valid JSON;
+- each parsed call is checked (a name, arguments an object; arguments sent as a JSON string
+  decoded, Llama's `parameters` read as `arguments`);
+- a reply that opens with a bare `{"name"` object is a call, for Llama 3.x.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
-_OPENERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
-_CLOSERS = ("</tool_call>", "<|eom_id|>", "<|eot_id|>")
-_HEAD = re.compile(r'\s*\[?\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
-_BARE_START = '{"name"'
+from mlx_lm.generate import TextStateMachine
+
+from semantic.engine.tool_format import HERMES, ToolFormat, ToolSchemas
+
+_BARE_CALL = '{"name"'
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,199 +57,145 @@ class ToolCallEnd:
 ParsedPart = TextPart | ToolCallStart | ToolArgumentsDelta | ToolCallEnd
 
 
-class _JsonScanner:
-    """Tracks nesting of a JSON value as it arrives, to know where it ends and how to close it."""
-
-    def __init__(self) -> None:
-        self.stack: list[str] = []
-        self.in_string = False
-        self.escaped = False
-        self.started = False
-
-    def feed(self, char: str) -> bool:
-        """Consume one character; True once the value is complete (after its closing bracket)."""
-        if self.in_string:
-            if self.escaped:
-                self.escaped = False
-            elif char == "\\":
-                self.escaped = True
-            elif char == '"':
-                self.in_string = False
-            return False
-        if char in "{[":
-            self.stack.append("}" if char == "{" else "]")
-            self.started = True
-        elif char in "}]":
-            if self.stack:
-                self.stack.pop()
-            return self.started and not self.stack
-        elif char == '"':
-            self.in_string = True
-            self.started = True
-        return False
-
-    def closing(self) -> str:
-        return ('"' if self.in_string else "") + "".join(reversed(self.stack))
-
-
 class ToolCallParser:
     """Feed generated text in pieces; get text and tool-call parts back in order."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(
+        self, tool_format: ToolFormat = HERMES, tools: ToolSchemas | None = None, enabled: bool = True
+    ) -> None:
         self.enabled = enabled
         self.num_calls = 0
-        self._buffer = ""
-        self._in_call = False
-        self._seen_text = False
-        self._name: str | None = None
-        self._arguments = ""
-        self._scanner = _JsonScanner()
-        self._arguments_done = False
-        self._raw = ""
+        self._format = tool_format
+        self._tools = tools
+        ends = [(tool_format.end, "normal")] if tool_format.end else []
+        self._machine = TextStateMachine({"normal": [(tool_format.start, "tool")], "tool": ends})
+        self._state = self._machine.make_state("normal")
+        self._call_opener: str | None = None  # the marker that opened the block being read
+        self._call_text = ""
+        # Held while the reply may still open with a bare JSON call (None: it cannot any more).
+        self._reply_head: str | None = "" if tool_format.bare_json_calls else None
 
     def feed(self, text: str) -> list[ParsedPart]:
         if not self.enabled:
             return [TextPart(text)] if text else []
-        self._buffer += text
+        if self._reply_head is not None:
+            text = self._read_reply_head(text)
+        self._state, segments = TextStateMachine.split(self._state, text)
         parts: list[ParsedPart] = []
-        while self._buffer:
-            before = (self._buffer, self._in_call)
-            parts += self._call_step() if self._in_call else self._text_step()
-            if (self._buffer, self._in_call) == before:
-                break
+        for state, piece in segments:
+            if state == "tool":
+                if self._call_opener is None:
+                    self._call_opener = self._format.start
+                self._call_text += piece
+                continue
+            if self._call_opener is not None:
+                parts += self._close_call(self._format.end)
+            if piece:
+                parts.append(TextPart(piece))
         return parts
 
     def finish(self) -> list[ParsedPart]:
-        """End of generation: settle a call that was cut short and release held-back text."""
+        """End of generation: settle a call block left open and release held-back text."""
         if not self.enabled:
             return []
+        head, self._reply_head = self._reply_head, None
+        parts = self.feed(head) if head else []
+        self._state, rest, state = TextStateMachine.flush(self._state)
+        if state == "tool":
+            self._call_text += rest
+            return parts + self._close_call("")
+        return parts + ([TextPart(rest)] if rest else [])
+
+    def _read_reply_head(self, text: str) -> str:
+        """Hold the reply's start while it may be a bare call; return what the markers should see."""
+        head = (self._reply_head or "") + text
+        stripped = head.lstrip()
+        if stripped.startswith(_BARE_CALL):
+            self._reply_head = None
+            self._state = self._machine.make_state("tool")
+            self._call_opener = ""
+            self._call_text = head
+            return ""
+        if _BARE_CALL.startswith(stripped):
+            self._reply_head = head
+            return ""
+        self._reply_head = None
+        return head
+
+    def _close_call(self, closer: str) -> list[ParsedPart]:
+        opener, body = self._call_opener or "", self._call_text
+        self._call_opener, self._call_text = None, ""
+        calls = self._parse(body)
+        if calls is None:
+            return [TextPart(opener + body + closer)]
         parts: list[ParsedPart] = []
-        if self._in_call:
-            parts += self._end_call(at_end=True)
-        elif self._buffer:
-            parts.append(TextPart(self._buffer))
-            self._buffer = ""
+        for name, arguments in calls:
+            index = self.num_calls
+            self.num_calls += 1
+            json_text = json.dumps(arguments, ensure_ascii=False)
+            parts += [ToolCallStart(index, name), ToolArgumentsDelta(index, json_text)]
+            parts.append(ToolCallEnd(index, name, arguments))
         return parts
 
-    def _text_step(self) -> list[ParsedPart]:
-        buffer = self._buffer
-        starts = [(buffer.find(opener), opener) for opener in _OPENERS if opener in buffer]
-        if not self._seen_text and buffer.lstrip().startswith(_BARE_START):
-            self._open_call(buffer[: len(buffer) - len(buffer.lstrip())], buffer.lstrip(), "")
-            return []
-        if starts:
-            at, opener = min(starts)
-            before = buffer[:at]
-            self._open_call(before, buffer[at + len(opener) :], opener)
-            return [TextPart(before)] if before else []
-        keep = _held_back(buffer, self._seen_text)
-        emit = buffer[: len(buffer) - keep]
-        self._buffer = buffer[len(emit) :]
-        if emit:
-            if emit.strip():
-                self._seen_text = True
-            return [TextPart(emit)]
-        return []
-
-    def _open_call(self, before: str, rest: str, opener: str) -> None:
-        if before.strip():
-            self._seen_text = True
-        self._in_call = True
-        self._buffer = rest
-        self._raw = opener
-        self._name = None
-        self._arguments = ""
-        self._scanner = _JsonScanner()
-        self._arguments_done = False
-
-    def _call_step(self) -> list[ParsedPart]:
-        parts: list[ParsedPart] = []
-        if self._name is None:
-            head = _HEAD.match(self._buffer)
-            if head is not None and head.end() == len(self._buffer):
-                return []  # whitespace after the key may go on; wait for the value's first character
-            if head is None:
-                closer = _first_closer(self._buffer)
-                if closer is not None or (len(self._buffer) > 200 and '"name"' not in self._buffer):
-                    return self._end_call(at_end=False)
-                return []
-            self._name = json.loads(f'"{head.group(1)}"')
-            self._raw += self._buffer[: head.end()]
-            self._buffer = self._buffer[head.end() :]
-            parts.append(ToolCallStart(self.num_calls, self._name))
-        if not self._arguments_done:
-            consumed = 0
-            for char in self._buffer:
-                consumed += 1
-                if self._scanner.feed(char):
-                    self._arguments_done = True
-                    break
-            piece = self._buffer[:consumed]
-            self._arguments += piece
-            self._raw += piece
-            self._buffer = self._buffer[consumed:]
-            if piece:
-                parts.append(ToolArgumentsDelta(self.num_calls, piece))
-        if self._arguments_done:
-            closer = _first_closer(self._buffer)
-            if closer is not None:
-                at, token = closer
-                self._buffer = self._buffer[at + len(token) :]
-                parts += self._end_call(at_end=False, consumed_closer=True)
-            elif self._buffer.lstrip().startswith(("}", "]")):
-                self._buffer = self._buffer.lstrip()[1:]
-        return parts
-
-    def _end_call(self, at_end: bool, consumed_closer: bool = False) -> list[ParsedPart]:
-        self._in_call = False
-        name = self._name
-        if name is None:
-            # Never became a call: give the text back, closer included.
-            raw, self._raw = self._raw + self._buffer, ""
-            self._buffer = ""
-            self._seen_text = True
-            return [TextPart(raw)] if raw else []
-        parts: list[ParsedPart] = []
-        arguments_text = self._arguments
-        if not self._arguments_done:
-            closing = self._scanner.closing()
-            if closing:
-                parts.append(ToolArgumentsDelta(self.num_calls, closing))
-                arguments_text += closing
-        if at_end and not consumed_closer:
-            self._buffer = ""
-        arguments = _decode_arguments(arguments_text)
-        parts.append(ToolCallEnd(self.num_calls, name, arguments))
-        self.num_calls += 1
-        self._name = None
-        self._raw = ""
-        return parts
+    def _parse(self, body: str) -> list[tuple[str, dict[str, Any]]] | None:
+        for candidate in _readings(body):
+            try:
+                parsed = self._format.parse(candidate, self._tools)
+            except Exception:  # mlx-lm's parsers fail in many ways on what is no call
+                continue
+            calls = _checked_calls(parsed)
+            if calls:
+                return calls
+        return None
 
 
-def _decode_arguments(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return {}
-    if isinstance(value, str):
+def _readings(body: str) -> list[str]:
+    """The block as written, then its first JSON value alone, then closed as if cut off."""
+    readings = [body]
+    starts = [at for at in (body.find("{"), body.find("[")) if at >= 0]
+    if starts:
+        start = min(starts)
         try:
-            value = json.loads(value)
+            _, end = json.JSONDecoder().raw_decode(body, start)
+            readings.append(body[:end])
         except json.JSONDecodeError:
-            return {}
-    return value if isinstance(value, dict) else {}
+            readings.append(body + _closing(body[start:]))
+    return readings
 
 
-def _first_closer(text: str) -> tuple[int, str] | None:
-    found = [(text.find(closer), closer) for closer in _CLOSERS if closer in text]
-    return min(found) if found else None
+def _checked_calls(parsed: object) -> list[tuple[str, dict[str, Any]]] | None:
+    calls = []
+    for call in parsed if isinstance(parsed, list) else [parsed]:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+            return None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                return None
+        if not isinstance(arguments, dict):
+            return None
+        calls.append((call["name"], arguments))
+    return calls or None
 
 
-def _held_back(buffer: str, seen_text: bool) -> int:
-    """How many trailing characters might be the start of a call marker."""
-    if not seen_text and _BARE_START.startswith(buffer.lstrip()):
-        return len(buffer)
-    for size in range(min(len(buffer), max(len(o) for o in _OPENERS)), 0, -1):
-        tail = buffer[-size:]
-        if any(opener.startswith(tail) for opener in _OPENERS):
-            return size
-    return 0
+def _closing(json_text: str) -> str:
+    """What closes a JSON value cut off part-way: an open string, then the open brackets."""
+    closers: list[str] = []
+    in_string = escaped = False
+    for char in json_text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            closers.append("}" if char == "{" else "]")
+        elif char in "}]" and closers:
+            closers.pop()
+    return ('"' if in_string else "") + "".join(reversed(closers))

@@ -21,6 +21,7 @@ MODEL_FLAGS = [
     ("--model", "model.name", "'default' (SmolLM2-135M-Instruct), a local MLX model dir or a hub id"),
     ("--dtype", "model.dtype", "default model conversion dtype: float32 or bfloat16"),
     ("--cache-dir", "cache.dir", "where models and agent caches live"),
+    ("--models-dir", "model.dir", "where the default model is converted (default: <cache-dir>/models)"),
     ("--cache-budget-mb", "cache.budget_mb", "memory for KV caches, in MiB"),
     ("--block-size", "cache.block_size", "tokens per KV block"),
     (
@@ -50,6 +51,11 @@ SERVER_FLAGS = [
     ("--host", "server.host", "address to bind (non-loopback needs --allow-remote and an API key)"),
     ("--port", "server.port", "port to listen on"),
     ("--api-key", "server.api_key", "require this key (x-api-key or Authorization: Bearer)"),
+    (
+        "--api-keys-file",
+        "server.api_keys_file",
+        "a TOML file mapping API keys to namespaces: each key sees only its own agents",
+    ),
     ("--max-body-mb", "server.max_body_mb", "largest request body, in MiB"),
     ("--request-timeout-s", "server.request_timeout_s", "a generation running longer fails"),
     ("--shutdown-timeout-s", "server.shutdown_timeout_s", "on SIGTERM, how long running requests may finish"),
@@ -146,9 +152,18 @@ def load(args: argparse.Namespace) -> LoadedSettings:
         raise SystemExit(2) from None
 
 
+def _cache_dir(settings: Settings) -> Path:
+    from semantic.engine.default_model import user_cache_dir
+
+    return Path(settings.cache.dir) if settings.cache.dir else user_cache_dir()
+
+
+def _models_dir(settings: Settings) -> Path:
+    return Path(settings.model.dir) if settings.model.dir else _cache_dir(settings) / "models"
+
+
 def _system_config(settings: Settings) -> SystemConfig:
     from semantic.actors.system import SystemConfig
-    from semantic.engine.default_model import user_cache_dir
     from semantic.engine.engine import EngineConfig
     from semantic.engine.registry import ModelEntry
 
@@ -160,13 +175,14 @@ def _system_config(settings: Settings) -> SystemConfig:
         max_batch_size=settings.engine.max_batch_size,
         tick_s=settings.engine.tick_ms / 1000,
         default_dtype=settings.model.dtype,
+        models_dir=_models_dir(settings),
         prefill_batch_size=settings.engine.prefill_batch_size or None,
         prefill_step_size=settings.engine.prefill_step_size or None,
         shortest_first_max_wait_s=settings.engine.shortest_first_max_wait_s,
     )
     return SystemConfig(
         engine=engine,
-        cache_dir=Path(settings.cache.dir) if settings.cache.dir else user_cache_dir(),
+        cache_dir=_cache_dir(settings),
         extra_models=tuple(ModelEntry(name, source) for name, source in settings.model.extra.items()),
         model_aliases=settings.model.aliases,
         idle_unload_s=settings.model.idle_unload_s,
@@ -215,7 +231,7 @@ def _ensure_default_model(settings: Settings) -> None:
     from semantic.engine.loading import is_default_model
 
     if is_default_model(settings.model.name):
-        ensure_default_model(settings.model.dtype, progress=_progress_bar())
+        ensure_default_model(settings.model.dtype, progress=_progress_bar(), models_dir=_models_dir(settings))
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -225,6 +241,8 @@ def _check_bind(settings: Settings) -> None:
     server = settings.server
     if server.api_key is not None and not server.api_key.strip():
         raise SystemExit("semantic: refusing an empty API key (server.api_key); leave it unset for no key")
+    if server.api_keys_file is not None:
+        _check_keys_file(settings)
     if server.host in LOOPBACK:
         return
     if not server.allow_remote:
@@ -232,11 +250,26 @@ def _check_bind(settings: Settings) -> None:
             f"semantic: refusing to bind {server.host}: only loopback is served unless --allow-remote "
             "(server.allow_remote) is set, with an API key"
         )
-    if not server.api_key:
+    if not server.api_key and not server.api_keys_file:
         raise SystemExit(
             f"semantic: refusing to bind {server.host} without an API key; "
             "set --api-key or SEMANTIC_SERVER_API_KEY"
         )
+
+
+def _check_keys_file(settings: Settings) -> None:
+    from semantic.protocols.tenancy import KeysFileError, Tenancy
+
+    server = settings.server
+    if server.api_key is not None:
+        raise SystemExit(
+            "semantic: set server.api_key or server.api_keys_file, not both; "
+            "give the single key a namespace in the keys file instead"
+        )
+    try:
+        Tenancy.from_settings(server)
+    except KeysFileError as error:
+        raise SystemExit(f"semantic: {error}") from None
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -312,7 +345,9 @@ def generate(args: argparse.Namespace) -> None:
 def fetch_model(args: argparse.Namespace) -> None:
     from semantic.engine.default_model import ensure_default_model
 
-    print(ensure_default_model(args.dtype, progress=_progress_bar()))
+    settings = load(args).settings
+    models_dir = _models_dir(settings)
+    print(ensure_default_model(settings.model.dtype, progress=_progress_bar(), models_dir=models_dir))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -339,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     generate_parser.set_defaults(run=generate)
 
     fetch_parser = commands.add_parser("fetch-model", help="fetch and convert the default model")
-    fetch_parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _settings_args(fetch_parser, server=False)  # --dtype, --cache-dir and --models-dir decide where
     fetch_parser.set_defaults(run=fetch_model)
 
     args = parser.parse_args(argv)

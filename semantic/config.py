@@ -33,6 +33,7 @@ class ServerSection(_Section):
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     allow_remote: bool = False  # binding a non-loopback address needs this and an api_key
     api_key: str | None = None
+    api_keys_file: str | None = None  # TOML: API key -> namespace of agents (protocols/tenancy.py)
     max_body_mb: Positive = 32.0
     request_timeout_s: Positive = 600.0
     shutdown_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
@@ -41,6 +42,7 @@ class ServerSection(_Section):
 class ModelSection(_Section):
     name: str = "default"  # 'default' (SmolLM2-135M-Instruct), a local MLX dir or a hub id
     dtype: Literal["float32", "bfloat16"] = "float32"
+    dir: str | None = None  # where the default model is converted; None: <cache.dir>/models
     extra: dict[str, str] = {}  # more models requests may switch to: name -> source
     aliases: dict[str, str] = {}  # requested-name glob -> model name ("" = the loaded model)
     idle_unload_s: Positive | None = None

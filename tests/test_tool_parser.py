@@ -1,13 +1,18 @@
-"""The streaming tool-call parser: same result however the text is split, and text stays text."""
+"""Tool calls in every format mlx-lm parses: detected from the tokenizer as mlx-lm detects it, read
+whole or in 1-3 character pieces alike, and text that only looked like a call stays text."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import random
 
-from hypothesis import given
+import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from semantic.engine.chat_format import ChatFormat
+from semantic.engine.tool_format import ToolFormat
 from semantic.protocols.tool_parser import (
     ParsedPart,
     TextPart,
@@ -16,79 +21,207 @@ from semantic.protocols.tool_parser import (
     ToolCallParser,
     ToolCallStart,
 )
+from tests.tool_call_samples import ARGUMENTS, BY_KEY, FAMILIES, TOOLS, tokenizer_for
 
-HERMES = (
-    'Let me look.\n<tool_call>\n{"name": "read", "arguments": {"path": "a/b.txt", "n": [1, {"x": "}"}]}}'
-    "\n</tool_call>"
-)
-SAMPLES = [
-    HERMES,
-    HERMES + "\n<tool_call>\n" + '{"name": "ls", "arguments": {}}' + "\n</tool_call>",
-    '{"name": "search", "parameters": {"q": "moon \\"phase\\""}}',
-    '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}]',
-    "<|python_tag|>" + '{"name": "add", "arguments": {"a": 1}}' + "<|eom_id|>",
-    "Plain text with a < sign and [brackets] and {braces}.",
-    "Text, then a broken call <tool_call> not json </tool_call> and more text.",
-    '<tool_call>\n{"name": "cut", "arguments": {"text": "unfinished',
-]
+Calls = list[tuple[str, dict[str, object]]]
 
 
-def run(chunks: list[str]) -> list[ParsedPart]:
-    parser = ToolCallParser()
+def tool_format(key: str) -> ToolFormat:
+    return ChatFormat(tokenizer_for(key)).tool_format
+
+
+def run(key: str, chunks: list[str], tools: list[dict[str, object]] | None = TOOLS) -> list[ParsedPart]:
+    parser = ToolCallParser(tool_format(key), tools)
     parts: list[ParsedPart] = []
     for chunk in chunks:
         parts += parser.feed(chunk)
     return parts + parser.finish()
 
 
-def summary(parts: list[ParsedPart]) -> tuple[str, list[tuple[str, str, dict[str, object]]]]:
-    """All text joined, and per call: its name, its streamed arguments, its final arguments."""
+def summary(parts: list[ParsedPart]) -> tuple[str, Calls]:
+    """All text joined, and each call's name and arguments, checked against its streamed parts."""
     text = "".join(p.text for p in parts if isinstance(p, TextPart))
-    calls = []
+    calls: Calls = []
     streamed: dict[int, str] = {}
+    opened: dict[int, str] = {}
     for part in parts:
-        if isinstance(part, ToolArgumentsDelta):
-            streamed[part.index] = streamed.get(part.index, "") + part.json_text
-        if isinstance(part, ToolCallEnd):
-            calls.append((part.name, streamed.get(part.index, ""), part.arguments))
+        match part:
+            case ToolCallStart(index=index, name=name):
+                assert index == len(calls) and index not in opened
+                opened[index] = name
+            case ToolArgumentsDelta(index=index, json_text=json_text):
+                streamed[index] = streamed.get(index, "") + json_text
+            case ToolCallEnd(index=index, name=name, arguments=arguments):
+                assert opened[index] == name and json.loads(streamed[index]) == arguments
+                calls.append((name, arguments))
     return text, calls
 
 
+def pieces(text: str, seed: int) -> list[str]:
+    """`text` cut into pieces of 1 to 3 characters."""
+    rng = random.Random(seed)
+    cuts = [0]
+    while cuts[-1] < len(text):
+        cuts.append(min(len(text), cuts[-1] + rng.randint(1, 3)))
+    return [text[a:b] for a, b in itertools.pairwise(cuts)]
+
+
+@pytest.mark.parametrize("key", BY_KEY)
+def test_each_family_is_detected_as_mlx_lm_names_it(key: str) -> None:
+    family = BY_KEY[key]
+    chat = ChatFormat(tokenizer_for(key))
+    assert chat.tool_format.name == family.parser
+    # The sample is what the family's template writes for a call in the history...
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": ARGUMENTS}}
+    history = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
+    assert family.call in chat.render(history, TOOLS)
+    # ...and a forced call opens it as the model would.
+    if key != "llama3_python_tag":  # forcing writes Llama's bare form
+        assert family.call.startswith(chat.forced_call_prefix("get_weather"))
+        assert chat.forced_call_prefix("get_weather").startswith(chat.forced_call_prefix(None))
+    assert chat.tool_call_closer == (chat.tool_format.end or None)
+
+
+@pytest.mark.parametrize("key", BY_KEY)
+def test_each_family_reads_whole_or_in_1_to_3_character_pieces(key: str) -> None:
+    family = BY_KEY[key]
+    reply = (
+        family.text_before + family.call + (" Done." if family.parser not in ("mistral", "llama3") else "")
+    )
+    expected = (reply.replace(family.call, ""), [("get_weather", ARGUMENTS)])
+    assert summary(run(key, [reply])) == expected
+    for seed in range(3):
+        assert summary(run(key, pieces(reply, seed))) == expected
+
+
+def test_text_around_a_call_streams_as_it_arrives() -> None:
+    parser = ToolCallParser(tool_format("qwen3_coder"), TOOLS)
+    assert parser.feed("Let me ") == [TextPart("Let me ")]
+    assert parser.feed("check <tool") == [TextPart("check ")]  # `<tool` may open a call: held
+    assert parser.feed("_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n") == []
+    done = parser.feed("</function>\n</tool_call> Bye")
+    assert done == [
+        ToolCallStart(0, "get_weather"),
+        ToolArgumentsDelta(0, '{"city": "Paris"}'),
+        ToolCallEnd(0, "get_weather", {"city": "Paris"}),
+        TextPart(" Bye"),
+    ]
+    assert parser.finish() == []
+
+
+def test_the_request_tools_type_the_arguments_as_mlx_lm_does() -> None:
+    call = BY_KEY["qwen3_coder"].call
+    assert summary(run("qwen3_coder", [call], tools=None))[1] == [
+        ("get_weather", {"city": "Paris", "days": "3"})
+    ]
+    assert summary(run("qwen3_coder", [call]))[1] == [("get_weather", ARGUMENTS)]
+
+
+@pytest.mark.parametrize(
+    ("key", "reply", "names"),
+    [
+        (
+            "hermes",
+            BY_KEY["hermes"].call + "\n" + BY_KEY["hermes"].call.replace("get_weather", "ls"),
+            ["get_weather", "ls"],
+        ),
+        (
+            "kimi_k2",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>"
+            '{"query": "weather"}<|tool_call_end|><|tool_call_begin|>functions.read_file:1'
+            '<|tool_call_argument_begin|>{"path": "/tmp/a.txt"}<|tool_call_end|><|tool_calls_section_end|>',
+            ["search", "read_file"],
+        ),
+        (
+            "minimax_m2",
+            '<minimax:tool_call>\n<invoke name="search">\n<parameter name="query">weather</parameter>\n'
+            '</invoke>\n<invoke name="read_file">\n<parameter name="path">/tmp/a.txt</parameter>\n'
+            "</invoke>\n</minimax:tool_call>",
+            ["search", "read_file"],
+        ),
+        ("gemma4", '<|tool_call>call:glob{pattern:<|"|>*.md<|"|>}call:ls{}<tool_call|>', ["glob", "ls"]),
+        ("pythonic", '<|tool_call_start|>[glob(pattern="*.md"), ls()]<|tool_call_end|>', ["glob", "ls"]),
+        ("llama3", '{"name": "glob", "parameters": {}}; {"name": "ls", "parameters": {}}', ["glob", "ls"]),
+    ],
+)
+def test_several_calls_in_a_reply_get_running_indices(key: str, reply: str, names: list[str]) -> None:
+    for chunks in ([reply], pieces(reply, 7)):
+        parts = run(key, chunks)
+        assert [p.index for p in parts if isinstance(p, ToolCallEnd)] == list(range(len(names)))
+        assert [name for name, _ in summary(parts)[1]] == names
+
+
+@pytest.mark.parametrize(
+    ("key", "reply"),
+    [
+        ("hermes", "Plain text with a < sign and [brackets] and {braces}."),
+        ("hermes", "Text, then a broken call <tool_call> not json </tool_call> and more text."),
+        ("json_tools", '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>'),
+        ("qwen3_coder", "<tool_call>\nno function here\n</tool_call> after"),
+        ("pythonic", "<|tool_call_start|>not python(<|tool_call_end|>"),
+        ("minimax_m2", "<minimax:tool_call>\nnothing to invoke\n</minimax:tool_call>"),
+        ("kimi_k2", "<|tool_calls_section_begin|>nothing<|tool_calls_section_end|>"),
+        ("llama3", 'Use {"name": "x"} like this.'),
+        ("llama3", '{"name": "x", but then prose'),
+        ("mistral", "[TOOL_CALLS] are how I would call a tool"),
+    ],
+)
+def test_text_that_only_looks_like_a_call_stays_text(key: str, reply: str) -> None:
+    assert summary(run(key, [reply])) == (reply, [])
+    assert summary(run(key, pieces(reply, 1))) == (reply, [])
+
+
+def test_a_parser_that_is_off_passes_everything_as_text() -> None:
+    disabled = ToolCallParser(tool_format("hermes"), TOOLS, enabled=False)
+    call = BY_KEY["hermes"].call
+    assert disabled.feed(call) == [TextPart(call)] and disabled.finish() == []
+
+
+@pytest.mark.parametrize(
+    ("key", "reply", "calls"),
+    [
+        (
+            "hermes",
+            '<tool_call>\n{"name": "cut", "arguments": {"text": "unfinished',
+            [("cut", {"text": "unfinished"})],
+        ),
+        (
+            "mistral_v3",
+            '[TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": [2',
+            [("add", {"a": 1, "b": [2]})],
+        ),
+        ("mistral", '[TOOL_CALLS]add[ARGS]{"a": 1, "b": "tw', [("add", {"a": 1, "b": "tw"})]),
+        ("llama3", '{"name": "add", "parameters": {"a": 1', [("add", {"a": 1})]),
+        ("hermes", '<tool_call>\n{"name": "x", "arguments": {"a": 1}}}\n</tool_call>', [("x", {"a": 1})]),
+    ],
+)
+def test_a_json_call_cut_off_or_overrun_is_read_as_far_as_it_goes(key: str, reply: str, calls: Calls) -> None:
+    assert summary(run(key, [reply]))[1] == calls
+
+
+def test_a_cut_off_call_that_no_parser_reads_comes_back_as_text() -> None:
+    reply = "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"
+    assert summary(run("qwen3_coder", [reply])) == (reply, [])
+
+
+SAMPLES = [(family.key, family.text_before + family.call) for family in FAMILIES] + [
+    ("hermes", "Text, then a broken call <tool_call> not json </tool_call> and more text."),
+    ("llama3", '{"name": "cut", "parameters": {"text": "unfinished'),
+]
+
+
 @st.composite
-def split(draw: st.DrawFn) -> list[str]:
-    text = draw(st.sampled_from(SAMPLES))
+def split(draw: st.DrawFn) -> tuple[str, list[str]]:
+    key, text = draw(st.sampled_from(SAMPLES))
     cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=12)))
-    bounds = [0, *cuts, len(text)]
-    return [text[a:b] for a, b in itertools.pairwise(bounds)]
+    return key, [text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)])]
 
 
+@settings(max_examples=200, deadline=None)
 @given(split())
-def test_splitting_the_text_never_changes_the_result(chunks: list[str]) -> None:
-    assert summary(run(chunks)) == summary(run(["".join(chunks)]))
-
-
-def test_calls_are_read_in_every_supported_form() -> None:
-    text, calls = summary(run([HERMES]))
-    assert text == "Let me look.\n"
-    ((name, streamed, arguments),) = calls
-    assert name == "read" and arguments == {"path": "a/b.txt", "n": [1, {"x": "}"}]}
-    assert json.loads(streamed) == arguments  # what a client assembles from the deltas
-    assert summary(run([SAMPLES[2]]))[1][0][::2] == ("search", {"q": 'moon "phase"'})
-    assert summary(run([SAMPLES[3]]))[1][0][::2] == ("add", {"a": 1, "b": 2})
-    assert summary(run([SAMPLES[4]]))[1][0][::2] == ("add", {"a": 1})
-    assert [c[0] for c in summary(run([SAMPLES[1]]))[1]] == ["read", "ls"]
-
-
-def test_text_that_only_looks_like_a_call_stays_text() -> None:
-    assert summary(run([SAMPLES[5]])) == (SAMPLES[5], [])
-    assert summary(run([SAMPLES[6]])) == (SAMPLES[6], [])
-    assert summary(run(['Use {"name": "x"} like this.'])) == ('Use {"name": "x"} like this.', [])
-    disabled = ToolCallParser(enabled=False)
-    assert disabled.feed(HERMES) == [TextPart(HERMES)] and disabled.finish() == []
-
-
-def test_a_call_cut_off_by_max_tokens_is_closed_into_valid_json() -> None:
-    parts = run([SAMPLES[7]])
-    assert isinstance(parts[0], ToolCallStart)
-    ((name, streamed, arguments),) = summary(parts)[1]
-    assert name == "cut" and json.loads(streamed) == arguments == {"text": "unfinished"}
+def test_splitting_the_text_never_changes_the_result(sample: tuple[str, list[str]]) -> None:
+    key, chunks = sample
+    assert summary(run(key, chunks)) == summary(run(key, ["".join(chunks)]))

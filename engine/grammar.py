@@ -1,0 +1,205 @@
+"""Output that obeys a grammar: llguidance matchers masking a sequence's logits on the engine thread.
+
+A turn that asks for structured output (a JSON schema, JSON of any shape, or a forced tool call
+whose arguments must match the tool's `input_schema`) gets a grammar: a string in llguidance's
+format, built here from the request. The tokenizer worker compiles it into a `GrammarMatcher`
+(`GrammarCompiler`, one per loaded model, compiled grammars cached by their text), which refuses
+what llguidance cannot enforce with a `GrammarError` (a 400): never silent non-enforcement.
+The matcher then travels in the `GenerationRequest` to the engine thread, which alone uses it
+from then on: mlx-lm's BatchGenerator calls it as that sequence's logits processor, so sequences
+without a grammar pay nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from llguidance import LLMatcher, LLTokenizer
+from loguru import logger
+
+# Compact JSON the way the models' training data writes it; no free whitespace, so a model cannot
+# pad forever inside a constrained value.
+JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MAX_SCHEMA_BYTES = 64 * 1024
+MAX_CACHED_GRAMMARS = 64
+
+
+class GrammarError(ValueError):
+    """A schema or tool definition that cannot be enforced (unsupported keyword, bad regex, ...)."""
+
+
+def json_schema_grammar(schema: dict[str, Any], where: str) -> str:
+    """The grammar of JSON text valid against `schema` (`where` names the field in errors)."""
+    _check_size(schema, where)
+    try:
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)  # type: ignore[arg-type]
+    except ValueError as error:
+        raise GrammarError(f"{where}: {error}") from None
+
+
+def tool_call_grammar(
+    call_prefix: str, arguments_key: str, tools: list[dict[str, Any]], closer: str | None, where: str
+) -> str | None:
+    """The grammar of the rest of a forced tool call, after `call_prefix` (already in the prompt).
+
+    Two prefix shapes are JSON calls: one that stops inside the name (`{"name": "`: any of `tools`)
+    and one that stops after the arguments key (`{"name": "x", "arguments": `: that tool). A
+    format whose calls are not JSON objects gets no grammar (None).
+    """
+    if call_prefix.endswith(_NAME_HEAD):
+        return _any_call_grammar("", tools, arguments_key, closer, where)
+    if call_prefix.endswith(f'"{arguments_key}": '):
+        name = _forced_name(call_prefix)
+        for tool in tools:
+            if tool["function"]["name"] == name:
+                return f"start: {_inline_json(tool['function'], where)} {_closing(closer)}\n"
+    return None
+
+
+def strict_calls_grammar(
+    tools: list[dict[str, Any]], arguments_key: str, closer: str | None, where: str
+) -> str:
+    """The grammar of one JSON call to any of `tools` from its `{"name": "` on: for a lazy matcher
+    that the format's call opening triggers (a model that chooses to call `strict` tools)."""
+    return _any_call_grammar(json.dumps(_NAME_HEAD), tools, arguments_key, closer, where)
+
+
+_NAME_HEAD = '{"name": "'
+
+
+def _any_call_grammar(
+    head: str, tools: list[dict[str, Any]], arguments_key: str, closer: str | None, where: str
+) -> str:
+    rules = []
+    for index, tool in enumerate(tools):
+        name_and_key = json.dumps(f'{tool["function"]["name"]}", "{arguments_key}": ')
+        rules.append(
+            f"call_{index}: {name_and_key} {_inline_json(tool['function'], where)} {_closing(closer)}"
+        )
+    choice = " | ".join(f"call_{index}" for index in range(len(tools)))
+    return f"start: {head} ({choice})\n" + "\n".join(rules) + "\n"
+
+
+def _closing(closer: str | None) -> str:
+    return json.dumps("}\n" + closer if closer else "}")
+
+
+def _inline_json(function: dict[str, Any], where: str) -> str:
+    schema = dict(function.get("parameters") or {"type": "object"})
+    _check_size(schema, where)
+    schema["x-guidance"] = JSON_STYLE
+    return "%json " + json.dumps(schema)
+
+
+def _forced_name(call_prefix: str) -> str | None:
+    head = call_prefix[call_prefix.rfind(_NAME_HEAD) + len(_NAME_HEAD) :]
+    return head[: head.find('"')] if '"' in head else None
+
+
+def _check_size(schema: dict[str, Any], where: str) -> None:
+    size = len(json.dumps(schema))
+    if size > MAX_SCHEMA_BYTES:
+        raise GrammarError(
+            f"{where}: the schema is {size} bytes, more than this server allows ({MAX_SCHEMA_BYTES})"
+        )
+
+
+class GrammarMatcher:
+    """One sequence's logits processor: called by the generator with the sequence's tokens and the
+    next logits, once per step. From the second call on, the last of `tokens` is the one sampled from
+    the previous (masked) step, which the matcher consumes before masking again.
+
+    With a `trigger` the grammar is lazy: text is free until the model writes the trigger (a tool
+    call's opening), then the grammar holds until it is complete (the call closed), and so on.
+    """
+
+    def __init__(
+        self, template: LLMatcher, tokenizer: LLTokenizer, eos_token_ids: list[int], trigger: bytes | None
+    ) -> None:
+        self._template = template  # this sequence's own copy
+        self._tokenizer = tokenizer
+        self._eos_token_ids = eos_token_ids
+        self._trigger = trigger
+        self._matcher: LLMatcher | None = None if trigger else template
+        self._pending = b""  # free text since the last call, as far as it may still hold a trigger
+        self._num_calls = 0
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self._num_calls:
+            self._consume(int(tokens[-1].item()))  # type: ignore[arg-type]
+        self._num_calls += 1
+        matcher = self._matcher
+        if matcher is None:
+            return logits
+        vocab_size = logits.shape[-1]
+        if matcher.is_error():
+            logger.error("grammar matcher failed ({}); ending the sequence", matcher.get_error())
+            allowed = np.zeros(vocab_size, dtype=np.bool_)
+            allowed[[t for t in self._eos_token_ids if t < vocab_size]] = True
+        else:
+            bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+            allowed = np.unpackbits(bits, count=vocab_size, bitorder="little").astype(np.bool_)
+        return mx.where(mx.array(allowed), logits, mx.array(-np.inf, dtype=logits.dtype))
+
+    def _consume(self, token: int) -> None:
+        matcher, trigger = self._matcher, self._trigger
+        if matcher is not None:
+            if not matcher.is_stopped():
+                matcher.consume_token(token)
+            if trigger is not None and matcher.is_accepting():
+                self._matcher = None  # the call is closed: free text again
+            return
+        assert trigger is not None, "a matcher without a trigger is never idle: GrammarMatcher bug"
+        self._pending += self._tokenizer.decode_bytes([token])
+        at = self._pending.find(trigger)
+        if at < 0:
+            self._pending = self._pending[-len(trigger) :]
+            return
+        rest, self._pending = self._pending[at + len(trigger) :], b""
+        self._matcher = self._template.deep_copy()
+        if rest:  # the token that completed the trigger also began the call
+            self._matcher.consume_tokens(self._tokenizer.tokenize_bytes(rest))
+
+
+class GrammarCompiler:
+    """Grammars compiled for one model's tokenizer; used from the tokenizer workers only."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._eos_token_ids = sorted(eos_token_ids)
+        self._ll_tokenizer: LLTokenizer | None = None
+        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+
+    def matcher(self, grammar: str, trigger: str | None = None) -> GrammarMatcher:
+        """A fresh matcher for `grammar` (raises GrammarError if llguidance cannot enforce it),
+        holding from the start or, with a `trigger`, each time the reply writes it."""
+        template = self._compiled.get(grammar)
+        if template is None:
+            template = LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
+            if template.is_error():
+                raise GrammarError(f"cannot enforce this output format: {template.get_error()}")
+            self._compiled[grammar] = template
+            if len(self._compiled) > MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return GrammarMatcher(
+            template.deep_copy(),
+            self._llguidance_tokenizer(),
+            self._eos_token_ids,
+            trigger.encode() if trigger else None,
+        )
+
+    def _llguidance_tokenizer(self) -> LLTokenizer:
+        if self._ll_tokenizer is None:
+            backend = getattr(getattr(self._tokenizer, "_tokenizer", None), "backend_tokenizer", None)
+            if backend is None:
+                raise GrammarError(
+                    "this model's tokenizer is not a fast (Rust) tokenizer: outputs cannot be constrained"
+                )
+            self._ll_tokenizer = LLTokenizer(backend.to_str(), eos_token=self._eos_token_ids)
+        return self._ll_tokenizer
