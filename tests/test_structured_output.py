@@ -1,6 +1,6 @@
 """Output that obeys its schema: JSON schemas and forced tool calls decoded under a grammar, with the
 real default model behind a real server, checked with `jsonschema`: greedy and sampled replies per
-API, each prompt different (6 each in the suite; `SEMANTIC_STRUCTURED_REPLIES=50` for the full run)."""
+API, each prompt different (6 each in the suite; `STRUCTURED_OUTPUT_REPLIES=50` for the full run)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ TOPICS = [
     "a potter", "a tailor", "a coder", "a runner", "a monk", "a clown", "a smith", "a hunter",
     "a weaver", "a barber",
 ]  # fmt: skip
-NUM_REPLIES = int(os.environ.get("SEMANTIC_STRUCTURED_REPLIES", "6"))
+NUM_REPLIES = int(os.environ.get("STRUCTURED_OUTPUT_REPLIES", "6"))
 WEATHER = {
     "type": "object",
     "properties": {
