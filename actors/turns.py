@@ -166,22 +166,22 @@ def output_grammar(chat: ChatFormat, turn: TurnRequest, call_prefix: str) -> Out
     whenever the model opens one. Raises GrammarError where that cannot be enforced."""
     tools = turn.tools or []
     strict = [tool for tool in tools if tool["function"].get("strict")]
+    if turn.output_schema is not None and not call_prefix:
+        return OutputGrammar(json_schema_grammar(turn.output_schema, "output format"))
+    if not (call_prefix or strict):
+        return None
     arguments_key = _arguments_key(chat.forced_call_prefix("tool") or "")
-    if (call_prefix or strict) and arguments_key is None:
+    if arguments_key is None:  # calls are not JSON objects in this model's format
         if strict:
             raise GrammarError("tools: strict calls cannot be enforced in this model's tool-call format")
         return None
-    assert arguments_key is not None or not (call_prefix or strict), "checked above"
-    if call_prefix and tools:
-        named = [tool for tool in tools if tool["function"]["name"] in call_prefix] or tools
-        grammar = tool_call_grammar(call_prefix, str(arguments_key), named, chat.tool_call_closer, "tools")
+    closer = chat.tool_call_closer
+    if call_prefix:
+        grammar = tool_call_grammar(call_prefix, arguments_key, tools, closer, "tools")
         return OutputGrammar(grammar) if grammar else None
-    if turn.output_schema is not None:
-        return OutputGrammar(json_schema_grammar(turn.output_schema, "output format"))
-    if strict and turn.tool_choice.mode != "none":
-        grammar = strict_calls_grammar(strict, str(arguments_key), chat.tool_call_closer, "tools")
-        return OutputGrammar(grammar, trigger=chat.tool_call_opener)
-    return None
+    if turn.tool_choice.mode == "none":
+        return None
+    return OutputGrammar(strict_calls_grammar(strict, arguments_key, closer, "tools"), chat.tool_call_opener)
 
 
 def _arguments_key(named_prefix: str) -> str | None:
