@@ -40,6 +40,11 @@ fmt:
     {{venv}}/bin/ruff format .
     {{venv}}/bin/ruff check --fix .
 
+# Build the tool-calling test model: the default model plus a LoRA trained (mlx-lm) on real Claude
+# Code sub-agent sessions recorded against a scripted model; cached beside the default model.
+tool-model *ARGS:
+    {{fast}} {{py}} scripts/make_tool_model.py {{ARGS}}
+
 # Run the benchmarks (about an hour on a 2-core CPU); figures and plots go to bench/results/.
 bench:
     {{fast}} {{py}} -m bench.batching

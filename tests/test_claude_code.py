@@ -6,13 +6,15 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from semantic.engine.default_model import user_cache_dir
+from semantic.engine.default_model import is_converted, user_cache_dir
 
 
 def claude_cli() -> str | None:
@@ -24,7 +26,9 @@ CLAUDE = claude_cli()
 pytestmark = pytest.mark.skipif(CLAUDE is None, reason="Claude Code is not installed (just claude-code)")
 
 
-def claude(server, workdir: Path, *args: str, check: bool = True, max_output: int = 256) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def claude(  # type: ignore[no-untyped-def]
+    server, workdir: Path, *args: str, check: bool = True, max_output: int = 256, bare: bool = True
+) -> dict[str, Any]:
     assert CLAUDE is not None
     env = {
         **os.environ,
@@ -36,7 +40,7 @@ def claude(server, workdir: Path, *args: str, check: bool = True, max_output: in
             workdir / ".claude"
         ),  # its sessions and settings stay in the test's directory
     }
-    command = [CLAUDE, "-p", "--bare", "--output-format", "json", *args]
+    command = [CLAUDE, "-p", *(["--bare"] if bare else []), "--output-format", "json", *args]
     done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 or not check, done.stderr + done.stdout
     assert done.stdout.startswith("{"), done.stderr + done.stdout
@@ -76,3 +80,49 @@ def test_claude_code_completes_turns_and_reuses_the_cache(
     )
     assert third["type"] == "result" and third["usage"]["input_tokens"] > 0
     assert "API Error: 4" not in third["result"] and "API Error: 5" not in third["result"]
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(default_model_dir: Path) -> Path:
+    """The default model taught to call tools as Claude Code does (`scripts/make_tool_model.py`),
+    built on first use and cached beside the default model, like it."""
+    built = default_model_dir.parent / "SmolLM2-135M-Instruct-tools"
+    if not is_converted(built):
+        script = Path(__file__).parents[1] / "scripts" / "make_tool_model.py"
+        subprocess.run([sys.executable, str(script), "--out", str(built)], check=True, timeout=3000)
+    return built
+
+
+@pytest.mark.timeout(2400)  # the first run builds the tool model (about 6 minutes on 2 idle cores)
+def test_claude_code_sends_a_sub_agent_that_reads_a_file(
+    server_factory, tool_model_dir: Path, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """The real CLI, a model that calls tools: the main agent calls `Agent`, the `reader` sub-agent
+    calls `Read` (Claude Code runs it), reports the file's secret word, and the main agent answers.
+    The sub-agent is its own agent on the server, and the main conversation's next turn reuses its
+    whole history."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from claude_code_recorder import SESSION_FLAGS
+
+    server = server_factory("--model", str(tool_model_dir), "--temperature", "0").start()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The secret word is quince.\n")
+    session = str(uuid.uuid4())
+    ask = f"Use the reader agent to read {notes} and tell me the secret word."
+    first = claude(server, tmp_path, *SESSION_FLAGS, "--session-id", session, ask, bare=False)
+    assert first["is_error"] is False, first
+    assert "quince" in first["result"], first
+    assert first["num_turns"] >= 2, first  # the Agent call, then the answer
+
+    with urllib.request.urlopen(server.base_url + "/v1/agents") as listing:
+        agents = {agent["id"]: agent for agent in json.load(listing)["data"]}
+    sub_agents = [name for name in agents if name.startswith(session + ".")]
+    assert session in agents and sub_agents, agents  # the reader ran as its own agent
+    history = agents[session]["cached_tokens"]
+
+    second = claude(server, tmp_path, *SESSION_FLAGS, "--resume", session, "Thanks. Say done.", bare=False)
+    assert second["is_error"] is False, second
+    usage = second["usage"]
+
+    assert usage["cache_read_input_tokens"] >= history - 8, (usage, history)  # the whole history
+    assert usage["input_tokens"] <= 32, usage  # only the new user turn is prefilled

@@ -1,0 +1,160 @@
+"""Build a small model that calls tools the way Claude Code expects: the default model plus a LoRA.
+
+    python -m semantic.launch python scripts/make_tool_model.py [--claude PATH] [--out DIR]
+
+1. Record: the real Claude Code CLI runs sub-agent round trips against a scripted model
+   (`claude_code_recorder.py`): each session asks the main agent to have the `reader` sub-agent read
+   a file and report its secret word, then says thanks. Files, words, paths and wordings differ
+   per session.
+2. Render each recorded request exactly as `semantic serve` renders it (the Anthropic edge's
+   conversion, the model's chat template with Hermes-style tools) and the scripted reply as the
+   assistant turn that follows; the loss is on the reply only.
+3. Train a LoRA with mlx-lm's trainer (`mlx_lm.lora`'s own code), fuse it (`mlx_lm.fuse`'s way) and
+   save a model directory beside the default model: `<models>/SmolLM2-135M-Instruct-tools`.
+
+Prints the model directory. Nothing in it is hand-written output: the model learns the replies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm import load
+
+from semantic.engine.chat_format import ChatFormat
+from semantic.engine.default_model import default_model_dir, ensure_default_model, user_cache_dir
+from semantic.protocols.anthropic_wire import decode_request, to_chat_messages, tool_schemas
+
+sys.path.insert(0, str(Path(__file__).parent))
+from claude_code_recorder import Recorded, record
+from tool_model_training import train_top_layers
+
+TOOL_MODEL_NAME = "SmolLM2-135M-Instruct-tools"
+TRAINED_LAYERS = 8
+WORDS = [
+    "apricot",
+    "harbor",
+    "velvet",
+    "lantern",
+    "quartz",
+    "meadow",
+    "copper",
+    "falcon",
+    "juniper",
+    "pebble",
+    "saffron",
+    "thistle",
+    "marble",
+    "cobalt",
+    "orchid",
+    "walnut",
+    "glacier",
+    "ember",
+    "willow",
+    "tundra",
+    "nectar",
+    "basalt",
+    "clover",
+    "dune",
+]
+DIRS = ["work", "repo", "proj", "test", "src", "pytest", "session", "tmp", "data", "home"]
+FILES = ["notes.txt", "todo.txt", "secret.txt", "memo.txt", "readme.txt", "log.txt", "plan.txt"]
+ASKS = [
+    "Use the reader agent to read {path} and tell me the secret word.",
+    "Have the reader agent open {path}. What is the secret word?",
+    "Ask a reader sub-agent what the secret word in {path} is.",
+    "Send the reader agent to read {path} and report the secret word.",
+]
+THANKS = ["Thanks. Say done.", "Great, thank you. Reply with done.", "Thank you. Just say done."]
+
+
+def sessions(root: Path, count: int, seed: int) -> list[tuple[Path, str, str]]:
+    rng = random.Random(seed)
+    made = []
+    for index in range(count):
+        depth = rng.randrange(1, 4)
+        parts = [f"{rng.choice(DIRS)}{rng.choice(['', '-', '_'])}{rng.randrange(100)}" for _ in range(depth)]
+        workdir = root.joinpath(*parts)
+        workdir.mkdir(parents=True)
+        path = workdir / FILES[index % len(FILES)]
+        path.write_text(f"The secret word is {rng.choice(WORDS)}.\n")
+        made.append((workdir, ASKS[index % len(ASKS)].format(path=path), THANKS[index % len(THANKS)]))
+    return made
+
+
+def recorded_sessions(claude: str, count: int, seed: int, keep: Path | None) -> list[Recorded]:
+    if keep is not None and keep.exists():
+        return [Recorded(**item) for item in json.loads(keep.read_text())]
+    with tempfile.TemporaryDirectory(prefix="tool-model-") as root:
+        recorded = asyncio.run(record(claude, sessions(Path(root), count, seed)))
+    if keep is not None:
+        keep.write_text(json.dumps([{"request": r.request, "reply": r.reply} for r in recorded]))
+    return recorded
+
+
+def example(chat: ChatFormat, recorded: Recorded) -> tuple[list[int], int]:
+    """Token ids of the rendered request plus the scripted reply, and where the reply starts."""
+    body = decode_request(json.dumps(recorded.request).encode())
+    messages, tools = to_chat_messages(body), tool_schemas(body.tools)
+    text = "".join(block.get("text", "") for block in recorded.reply)
+    calls = [
+        {"type": "function", "function": {"name": block["name"], "arguments": block["input"]}}
+        for block in recorded.reply
+        if block["type"] == "tool_use"
+    ]
+    reply: dict[str, Any] = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+    prompt = chat.encode(chat.render(messages, tools))
+    whole = chat.encode(chat.render([*messages, reply], tools, add_generation_prompt=False))
+    if whole[: len(prompt)] != prompt:
+        raise RuntimeError("the rendered reply does not extend the rendered prompt token for token")
+    return whole, len(prompt)
+
+
+def fit(base: Path, examples: list[tuple[list[int], int]], out: Path, steps: int, seed: int) -> None:
+    mx.random.seed(seed)
+    model = load(str(base))[0]
+    train_top_layers(model, examples, trained=TRAINED_LAYERS, steps=steps, learning_rate=1e-4, seed=seed)
+    fused = [(name, module.fuse()) for name, module in model.named_modules() if hasattr(module, "fuse")]
+    model.update_modules(tree_unflatten(fused))
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(base, partial, ignore=shutil.ignore_patterns("*.safetensors"))
+    mx.save_safetensors(str(partial / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--claude", default=str(user_cache_dir() / "claude-code/node_modules/.bin/claude"))
+    parser.add_argument("--out", type=Path, default=default_model_dir().parent / TOOL_MODEL_NAME)
+    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--recorded", type=Path, help="keep the recorded sessions in this JSON file and reuse them"
+    )
+    args = parser.parse_args(argv)
+    base = ensure_default_model("float32")
+    recorded = recorded_sessions(args.claude, args.sessions, args.seed, args.recorded)
+    model_dir_tokenizer = load(str(base))[1]
+    chat = ChatFormat(model_dir_tokenizer)
+    examples = [example(chat, item) for item in recorded]
+    print(f"{len(examples)} examples from {args.sessions} Claude Code sessions", file=sys.stderr)
+    fit(base, examples, args.out, args.steps, args.seed)
+    print(args.out)
+    return args.out
+
+
+if __name__ == "__main__":
+    main()
