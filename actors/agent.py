@@ -17,12 +17,22 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from loguru import logger
 
 from semantic.actors.agent_id import AgentId
+from semantic.actors.agent_messages import (
+    AgentMessage,
+    AgentStoppedError,
+    EvictCache,
+    ForgetAgent,
+    MailboxFullError,
+    OpenConversation,
+    StartTurn,
+    StopAgent,
+)
 from semantic.actors.history_marks import HistoryMark, HistoryMarks
 from semantic.actors.models import ModelHost, ModelSession
 from semantic.actors.turns import (
@@ -41,51 +51,7 @@ from semantic.engine.request_stream import RequestStream
 from semantic.launch import give_memory_back
 from semantic.storage.conversation_file import ConversationRecord
 
-RETRY_AFTER_S = 1
 LARGE_PROMPT_TOKENS = 100_000  # past this, the tokenizer's memory is handed back after each prompt
-
-
-class MailboxFullError(RuntimeError):
-    def __init__(self, agent_id: str | None, limit: int) -> None:
-        super().__init__(
-            f"agent {agent_id} already has {limit} requests queued (the mailbox limit); retry later"
-        )
-        self.limit = limit
-        self.retry_after_s = RETRY_AFTER_S
-
-
-class AgentStoppedError(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class StartTurn:
-    turn: TurnRequest
-
-
-@dataclass(frozen=True, slots=True)
-class OpenConversation:
-    """Start (or restart) the kept conversation with a system prompt."""
-
-    system: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class EvictCache:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class ForgetAgent:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class StopAgent:
-    pass
-
-
-AgentMessage = StartTurn | OpenConversation | EvictCache | ForgetAgent | StopAgent
 
 
 class AgentActor:

@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from semantic.actors.agent import AgentActor, EvictCache, ForgetAgent, OpenConversation, StartTurn
+from semantic.actors.agent import AgentActor
 from semantic.actors.agent_id import AgentId
+from semantic.actors.agent_messages import EvictCache, ForgetAgent, OpenConversation, StartTurn
 from semantic.actors.handle import AgentHandle
 from semantic.actors.history_marks import HistoryMarks
 from semantic.actors.models import ModelHost

@@ -129,12 +129,19 @@ def tool_names(tools: list[dict[str, Any]] | None) -> list[str]:
     return [str(tool["function"]["name"]) for tool in tools or ()]
 
 
-def forced_prefix(chat: ChatFormat, choice: ToolChoice, names: list[str]) -> str:
-    """Text to start the reply with so the model must call a tool (any, or the named one)."""
+@dataclass(frozen=True, slots=True)
+class ForcedCall:
+    """A reply that must open with a tool call: to the tool `name`, or to any tool when None."""
+
+    name: str | None
+
+
+def forced_call(choice: ToolChoice, names: list[str]) -> ForcedCall | None:
     if choice.mode != "required" or not names:
-        return ""
-    name = choice.name or (names[0] if len(names) == 1 else None)
-    return chat.forced_call_prefix(name)
+        return None
+    if choice.name is not None and choice.name not in names:
+        raise UnsupportedContentError(f"tool_choice: no tool named {choice.name!r} among the request's tools")
+    return ForcedCall(choice.name or (names[0] if len(names) == 1 else None))
 
 
 def prepare_stateless(
@@ -147,28 +154,29 @@ def prepare_stateless(
         return PreparedPrompt(list(turn.prompt_token_ids), "", False, "")
     if not turn.messages:
         raise UnsupportedContentError("messages: none has content the model can read")
-    prefix = forced_prefix(chat, turn.tool_choice, tool_names(turn.tools))
+    forced = forced_call(turn.tool_choice, tool_names(turn.tools))
+    prefix = chat.forced_call_prefix(forced.name) if forced else ""
     text = chat.render(turn.messages, turn.tools) + turn.prefill + prefix
     if bound is not None:
         bound.refuse_obviously_long(text)
     parses_tools = turn.tools is not None and turn.tool_choice.mode != "none"
     stop_after_call = chat.tool_call_closer if prefix else None
-    grammar = output_grammar(chat, turn, prefix)
+    grammar = output_grammar(chat, turn, forced)
     return PreparedPrompt(
         chat.encode(text), prefix, parses_tools, text[-512:], stop_after_call, grammar,
         tool_format=chat.tool_format, tools=turn.tools,
     )  # fmt: skip
 
 
-def output_grammar(chat: ChatFormat, turn: TurnRequest, call_prefix: str) -> OutputGrammar | None:
+def output_grammar(chat: ChatFormat, turn: TurnRequest, forced: ForcedCall | None) -> OutputGrammar | None:
     """What the reply is decoded under: a forced call's arguments follow its tool's schema; otherwise
     the reply follows the requested output schema; otherwise calls to `strict` tools follow theirs
     whenever the model opens one. Raises GrammarError where that cannot be enforced."""
     tools = turn.tools or []
     strict = [tool for tool in tools if tool["function"].get("strict")]
-    if turn.output_schema is not None and not call_prefix:
+    if turn.output_schema is not None and forced is None:
         return OutputGrammar(json_schema_grammar(turn.output_schema, "output format"))
-    if not (call_prefix or strict):
+    if forced is None and not strict:
         return None
     arguments_key = _arguments_key(chat.forced_call_prefix("tool") or "")
     if arguments_key is None:  # calls are not JSON objects in this model's format
@@ -176,9 +184,8 @@ def output_grammar(chat: ChatFormat, turn: TurnRequest, call_prefix: str) -> Out
             raise GrammarError("tools: strict calls cannot be enforced in this model's tool-call format")
         return None
     closer = chat.tool_call_closer
-    if call_prefix:
-        grammar = tool_call_grammar(call_prefix, arguments_key, tools, closer, "tools")
-        return OutputGrammar(grammar) if grammar else None
+    if forced is not None:
+        return OutputGrammar(tool_call_grammar(forced.name, arguments_key, tools, closer, "tools"))
     if turn.tool_choice.mode == "none":
         return None
     return OutputGrammar(strict_calls_grammar(strict, arguments_key, closer, "tools"), chat.tool_call_opener)

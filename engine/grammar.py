@@ -42,22 +42,15 @@ def json_schema_grammar(schema: dict[str, Any], where: str) -> str:
 
 
 def tool_call_grammar(
-    call_prefix: str, arguments_key: str, tools: list[dict[str, Any]], closer: str | None, where: str
-) -> str | None:
-    """The grammar of the rest of a forced tool call, after `call_prefix` (already in the prompt).
-
-    Two prefix shapes are JSON calls: one that stops inside the name (`{"name": "`: any of `tools`)
-    and one that stops after the arguments key (`{"name": "x", "arguments": `: that tool). A
-    format whose calls are not JSON objects gets no grammar (None).
-    """
-    if call_prefix.endswith(_NAME_HEAD):
+    name: str | None, arguments_key: str, tools: list[dict[str, Any]], closer: str | None, where: str
+) -> str:
+    """The grammar of the rest of a forced JSON tool call, after its opening (already in the prompt):
+    to the tool `name`, the arguments after `{"name": "x", "arguments": `; to any tool (None), the
+    rest from inside `{"name": "`."""
+    if name is None:
         return _any_call_grammar("", tools, arguments_key, closer, where)
-    if call_prefix.endswith(f'"{arguments_key}": '):
-        name = _forced_name(call_prefix)
-        for tool in tools:
-            if tool["function"]["name"] == name:
-                return f"start: {_inline_json(tool['function'], where)} {_closing(closer)}\n"
-    return None
+    (tool,) = [tool for tool in tools if tool["function"]["name"] == name]
+    return f"start: {_inline_json(tool['function'], where)} {_closing(closer)}\n"
 
 
 def strict_calls_grammar(
@@ -93,11 +86,6 @@ def _inline_json(function: dict[str, Any], where: str) -> str:
     _check_size(schema, where)
     schema["x-guidance"] = JSON_STYLE
     return "%json " + json.dumps(schema)
-
-
-def _forced_name(call_prefix: str) -> str | None:
-    head = call_prefix[call_prefix.rfind(_NAME_HEAD) + len(_NAME_HEAD) :]
-    return head[: head.find('"')] if '"' in head else None
 
 
 def _check_size(schema: dict[str, Any], where: str) -> None:

@@ -49,8 +49,8 @@ class AgentTurn(msgspec.Struct):
     stream: bool = False
     max_tokens: int | None = None
     temperature: float | None = None
-    top_p: float = 1.0
-    top_k: int = 0
+    top_p: float | None = None  # None: the model's generation default, as on the other APIs
+    top_k: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
     seed: int | None = None
     model: str | None = None  # a configured model to switch to first; None: the loaded one
@@ -139,7 +139,15 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         messages = [{"role": "user", "content": body.content}]
     else:
         raise ApiError("send `content` (a user message) or `messages`")
-    sampling = sampling_params(request, body, body.max_tokens, tuple(body.stop))
+    sampling = sampling_params(
+        request,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        max_tokens=body.max_tokens,
+        stop=tuple(body.stop),
+    )
     turn = TurnRequest(
         f"turn-{uuid.uuid4().hex}",
         agent_id,
@@ -150,8 +158,8 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         cache_salt=scoped_cache_salt(request, body.cache_salt),
     )
 
-    def reply(started: TurnStarted, sse: SseWriter | None) -> TurnReply:
-        return AgentReply(started, turn.request_id, agent_id.local_id, sse)
+    def reply(_started: TurnStarted, sse: SseWriter | None) -> TurnReply:
+        return AgentReply(turn.request_id, agent_id.local_id, sse)
 
     return await answer_turn(request, turn, body.stream, reply, PING_FRAME)
 
@@ -159,7 +167,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
 class AgentReply:
     """`event: start`, `event: delta` per piece of text, `event: done`; or the TurnResult as JSON."""
 
-    def __init__(self, started: TurnStarted, turn_id: str, agent_id: str, sse: SseWriter | None) -> None:
+    def __init__(self, turn_id: str, agent_id: str, sse: SseWriter | None) -> None:
         self.turn_id = turn_id
         self.agent_id = agent_id
         self.sse = sse

@@ -97,7 +97,15 @@ def to_turn(request: web.Request, body: MessagesRequest, counting: bool = False)
     if not messages:
         raise UnsupportedContentError("messages: none has content the model can read (only thinking blocks)")
     prefill = split_prefill(messages)
-    sampling = sampling_params(request, body, body.max_tokens, tuple(body.stop_sequences))
+    sampling = sampling_params(
+        request,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=None,  # the Messages API has no seed
+        max_tokens=body.max_tokens,
+        stop=tuple(body.stop_sequences),
+    )
     return TurnRequest(
         request_id=new_id("msg_"),
         agent_id=request_agent_id(request),

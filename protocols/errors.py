@@ -10,7 +10,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from loguru import logger
 
-from semantic.actors.agent import AgentStoppedError, MailboxFullError
+from semantic.actors.agent_messages import AgentStoppedError, MailboxFullError
 from semantic.actors.models import ModelUnavailableError
 from semantic.engine.engine import EngineError
 from semantic.engine.registry import UnknownModelError

@@ -116,7 +116,15 @@ def to_turn(request: web.Request, body: ChatCompletionRequest) -> TurnRequest:
         prefill = messages.pop()["content"]
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    sampling = sampling_params(request, body, max_tokens, stop)
+    sampling = sampling_params(
+        request,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        max_tokens=max_tokens,
+        stop=stop,
+    )
     return TurnRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
         agent_id=request_agent_id(request, body.session_id),

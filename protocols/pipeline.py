@@ -53,22 +53,24 @@ ReplyFactory = Callable[[TurnStarted, SseWriter | None], TurnReply]
 
 
 def sampling_params(
-    request: web.Request, body: object, max_tokens: int | None, stop: tuple[str, ...]
+    request: web.Request,
+    *,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    seed: int | None,
+    max_tokens: int | None,
+    stop: tuple[str, ...],
 ) -> SamplingParams:
-    """A request's sampling, with the server's defaults for what it leaves out (raises ValueError).
-
-    `body` is the protocol's request struct: its `temperature`, `top_p`, `top_k` and `seed`, where
-    it has them, are read by those names.
-    """
+    """A request's sampling, with the server's defaults for what it leaves out."""
     model = request.app[SETTINGS_KEY].model
-    temperature = getattr(body, "temperature", None)
     return SamplingParams(  # None: the served model's generation defaults fill it in
         temperature=model.temperature if temperature is None else temperature,
-        top_p=getattr(body, "top_p", None),
-        top_k=getattr(body, "top_k", None),
+        top_p=top_p,
+        top_k=top_k,
         max_tokens=model.default_max_tokens if max_tokens is None else max_tokens,
         stop=stop,
-        seed=getattr(body, "seed", None),
+        seed=seed,
     )
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from mlx_lm import load, stream_generate
+
+from tests.waiting import wait_until
 
 
 def call(server, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:  # type: ignore[no-untyped-def]
@@ -30,14 +31,18 @@ def call(server, method: str, path: str, body: dict[str, Any] | None = None) -> 
 
 def conversation_tokens(cache_dir: Path, agent_id: str, num_turns: int) -> list[int]:
     """The kept conversation once its record shows `num_turns` (written just after each reply)."""
-    for _ in range(100):
+    found: list[int] = []
+
+    def reached() -> bool:
         for path in cache_dir.glob(f"agents/*/{agent_id}.conversation.json"):
             record = json.loads(path.read_text())
             if record["num_turns"] == num_turns:
-                tokens: list[int] = record["token_ids"]
-                return tokens
-        time.sleep(0.05)
-    raise AssertionError(f"the conversation of {agent_id} never reached {num_turns} turns")
+                found[:] = record["token_ids"]
+                return True
+        return False
+
+    wait_until(reached, f"the conversation of {agent_id} has {num_turns} turns")
+    return found
 
 
 def cold_continuation(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:

@@ -31,7 +31,7 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = cache_dir / f"server-{self.port}.log"
 
-    def start(self, timeout: float = 120) -> ServerProcess:
+    def start(self, timeout: float = 300) -> ServerProcess:
         cmd = [
             sys.executable,
             "-m",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from semantic import AgentSystem, EngineConfig, SamplingParams, SystemConfig, TurnRequest
 from semantic.actors.agent_id import AgentId
+from tests.waiting import wait_until_async
 
 NUM_ONE_OFF_IDS = 20_000
 
@@ -28,10 +29,10 @@ async def touch_many(system: AgentSystem, prefix: str, count: int) -> None:
 
 
 async def wait_for_reaping(system: AgentSystem) -> None:
-    for _ in range(400):
-        if system.num_live_actors == 0:
-            return
-        await asyncio.sleep(0.05)
+    async def reaped() -> bool:
+        return system.num_live_actors == 0
+
+    await wait_until_async(reaped, "every idle actor has stopped")
 
 
 async def test_20000_one_off_agent_ids_leave_no_actors_and_no_memory_behind(

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from semantic.actors.agent import AgentStoppedError, MailboxFullError, StartTurn
 from semantic.actors.agent_id import AgentId, InvalidAgentIdError, agent_id_from
+from semantic.actors.agent_messages import AgentStoppedError, MailboxFullError, StartTurn
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.engine.commands import InspectPool, ListCaches, ReferenceGenerate

@@ -20,6 +20,7 @@ from semantic.engine.commands import Drain, InspectPool, ListCaches, ReferenceGe
 from semantic.engine.engine import Engine, EngineConfig, EngineError, PromptTooLongError, RequestStream
 from semantic.engine.messages import Finished, FinishReason, GenerationRequest, PromptStarted, TokenDelta
 from semantic.engine.sampling import SamplingParams
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -97,11 +98,12 @@ async def test_cancelled_stream_frees_its_slot_and_blocks(engine: Engine) -> Non
                 break  # leaving the loop cancels the request
     _, _, finished_other = await collect(other)
     assert finished_other.reason in (FinishReason.STOP, FinishReason.LENGTH)
-    for _ in range(50):
-        free_after, running_after, batch_after = await pool_state(engine)
-        if running_after == running_before:
-            break
-        await asyncio.sleep(0.05)
+
+    async def settled() -> bool:
+        return (await pool_state(engine))[1] == running_before
+
+    await wait_until_async(settled, "the cancelled request has left the batch")
+    free_after, running_after, batch_after = await pool_state(engine)
     assert (running_after, batch_after) == (running_before, batch_before)
     # The finished request kept its agent cache; the cancelled one left nothing behind.
     agents = await engine.ask(ListCaches())

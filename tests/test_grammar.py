@@ -79,13 +79,16 @@ def test_a_json_schema_allows_only_valid_json(tokenizer: Any, compiler: GrammarC
     assert {int(t) for t in np.flatnonzero(driver.allowed)} <= set(tokenizer.eos_token_ids)
 
 
-def test_a_forced_call_continues_from_its_prefix(tokenizer: Any, compiler: GrammarCompiler) -> None:
-    grammar = tool_call_grammar(OPENER + '{"name": "', "arguments", TOOLS, CLOSER, "tools")
-    assert grammar is not None
-    driver = Driver(compiler.matcher(grammar), len(tokenizer.vocab))
-    driver.feed(encode(tokenizer, 'get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'))
-    assert {int(t) for t in np.flatnonzero(driver.allowed)} <= set(tokenizer.eos_token_ids)
-    assert tool_call_grammar("[[call ", "arguments", TOOLS, None, "tools") is None  # not a JSON call
+def test_a_forced_call_continues_from_its_opening(tokenizer: Any, compiler: GrammarCompiler) -> None:
+    vocab = len(tokenizer.vocab)
+    any_tool = Driver(compiler.matcher(tool_call_grammar(None, "arguments", TOOLS, CLOSER, "tools")), vocab)
+    any_tool.feed(encode(tokenizer, 'get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'))
+    assert {int(t) for t in np.flatnonzero(any_tool.allowed)} <= set(tokenizer.eos_token_ids)
+    named_grammar = tool_call_grammar("get_weather", "arguments", TOOLS, CLOSER, "tools")
+    named = Driver(compiler.matcher(named_grammar), vocab)
+    assert not named.allowed[encode(tokenizer, '"')[0]]  # the arguments object, not another name
+    named.feed(encode(tokenizer, '{"city": "Oslo", "days": 2}}\n</tool_call>'))
+    assert {int(t) for t in np.flatnonzero(named.allowed)} <= set(tokenizer.eos_token_ids)
 
 
 @settings(max_examples=25, deadline=None)

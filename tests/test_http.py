@@ -16,6 +16,7 @@ from semantic.engine.commands import InspectPool
 from semantic.engine.engine import EngineConfig
 from semantic.protocols.app import create_app
 from semantic.protocols.common import GATE_KEY, SYSTEM_KEY
+from tests.waiting import wait_until_async
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -131,11 +132,11 @@ async def test_client_disconnects_free_batch_slots_and_blocks(
         async with aiohttp.ClientSession() as session:
             for _ in range(10):  # 100 disconnects, 10 at a time
                 await asyncio.gather(*(disconnect_mid_stream(session) for _ in range(10)))
-        for _ in range(100):
-            if await state() == before:
-                break
-            await asyncio.sleep(0.05)
-        assert await state() == before
+
+        async def all_freed() -> bool:
+            return await state() == before
+
+        await wait_until_async(all_freed, "every disconnected stream gave back its slot and blocks")
         assert app[GATE_KEY].num_in_flight == 0  # every admission slot was given back
 
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.request
 from pathlib import Path
 
 import aiohttp
 
 from tests.server_process import ServerProcess
+from tests.waiting import wait_until
 
 
 async def test_32_concurrent_agents_past_the_limits_get_429s_and_health_answers(
@@ -72,13 +72,13 @@ def test_a_request_past_the_timeout_fails_with_504_and_frees_its_slot(
         raise AssertionError("the request should have timed out")
     except anthropic.APIStatusError as error:
         assert error.status_code == 504 and "longer than 2 s (server.request_timeout_s)" in str(error)
+
     # The slot and the batch are free again (read from /metrics: a follow-up request would itself
     # race the 2 s timeout on a busy machine).
-    for _ in range(600):
+    def freed() -> bool:
         with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as reply:
             lines = reply.read().decode().splitlines()
         gauges = {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("semantic_")}
-        if gauges["semantic_requests_in_flight"] == 0 and gauges["semantic_batch_size"] == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the timed-out request still holds its slot")
+        return gauges["semantic_requests_in_flight"] == 0 and gauges["semantic_batch_size"] == 0
+
+    wait_until(freed, "the timed-out request has given back its slot")

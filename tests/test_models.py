@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from tests.agent_api_client import call, cold_continuation, conversation_tokens
+from tests.waiting import wait_until
 
 GREEDY = {"max_tokens": 10, "temperature": 0}
 
@@ -117,10 +117,9 @@ def test_idle_unload_and_reload_on_the_next_request(  # type: ignore[no-untyped-
 ) -> None:
     server = server_factory("--model", str(tiny_model_dirs["qwen2"]), "--idle-unload-s", "1").start()
     assert chat(server, "qwen2", "hi")[0] == 200
-    deadline = time.monotonic() + 30
-    while call(server, "GET", "/health/ready")[1].get("loaded") is not False:
-        assert time.monotonic() < deadline, "the model was never unloaded"
-        time.sleep(0.2)
+    wait_until(
+        lambda: call(server, "GET", "/health/ready")[1].get("loaded") is False, "the model unloaded", 0.2
+    )
     status, reply = chat(server, "qwen2", "hi again")
     assert status == 200 and reply["model"] == "qwen2"
     assert "no requests for 1 s: unloading qwen2" in server.log()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import hypothesis.strategies as st
@@ -18,6 +18,7 @@ from hypothesis import given
 from semantic.config import ConfigError, load_settings
 from semantic.protocols.guard import TokenBucket
 from tests.server_process import ServerProcess
+from tests.waiting import wait_until
 
 KEY = "test-key-123"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -245,14 +246,15 @@ def test_requests_are_measured_logged_and_rate_limited(server: ServerProcess) ->
     assert float(reused.split()[-1]) == cached
     assert "metered" not in metrics  # agents are counted, never labelled
 
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        lines = [json.loads(x) for x in server.log().splitlines() if x.startswith("{")]
-        summary = [x for x in lines if x.get("request_id") == request_id and "prompt_tokens" in x]
-        if summary:
-            break
-        time.sleep(0.1)
-    (line,) = summary
+    def json_log() -> list[dict[str, Any]]:
+        return [json.loads(x) for x in server.log().splitlines() if x.startswith("{")]
+
+    def summary_of(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [x for x in lines if x.get("request_id") == request_id and "prompt_tokens" in x]
+
+    wait_until(lambda: bool(summary_of(json_log())), "the request's summary line is logged", 0.1)
+    lines = json_log()
+    (line,) = summary_of(lines)
     assert line["agent_id"] == "metered" and line["protocol"] == "openai" and line["status"] == 200
     assert line["prompt_tokens"] > 0 and line["generated_tokens"] == 8 and line["ttft_s"] > 0
     assert line["outcome"] == "ok" and line["duration_s"] >= line["ttft_s"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.server_process import ServerProcess
+from tests.waiting import wait_until
 
 APIS = ("anthropic", "openai", "agents")
 
@@ -76,11 +76,12 @@ def open_stream(server: ServerProcess, path: str, body: dict[str, Any]) -> socke
 
 
 def wait_until_idle(server: ServerProcess) -> None:
-    for _ in range(600):
-        if metric(server, "semantic_requests_in_flight") == 0 and metric(server, "semantic_batch_size") == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the server did not become idle")
+    wait_until(
+        lambda: (
+            metric(server, "semantic_requests_in_flight") == 0 and metric(server, "semantic_batch_size") == 0
+        ),
+        "the server is idle",
+    )
 
 
 @pytest.fixture(scope="module")

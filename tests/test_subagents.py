@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ import pytest
 from semantic.actors.agent_id import AgentId
 from semantic.actors.history_marks import HistoryMark, HistoryMarks
 from tests.server_process import ServerProcess
+from tests.waiting import wait_until
 
 SUB_AGENT = "a2c5592091ed9f872"  # the shape of Claude Code's sub-agent ids
 SYSTEM = "You are an interactive agent that helps users with software engineering tasks.\n" + "\n".join(
@@ -179,9 +179,8 @@ def test_a_client_that_leaves_is_logged_with_what_was_generated(server: ServerPr
                     return
 
     asyncio.run(leave_after_three_deltas())
-    deadline = time.monotonic() + 60
-    while (line := _summary_line(server, "leaver")) is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: _summary_line(server, "leaver") is not None, "the leaver's summary is logged", 0.1)
+    line = _summary_line(server, "leaver")
     assert line is not None and "outcome=client disconnected" in line, line
     generated = int(line.split(" generated=")[1].split()[0])
     assert generated >= 3
