@@ -128,12 +128,13 @@ def _events(model: str, reply: list[dict[str, Any]]) -> list[tuple[str, dict[str
     return events
 
 
-def claude_env(base_url: str, workdir: Path) -> dict[str, str]:
+def claude_env(base_url: str, workdir: Path, max_output: int = 256) -> dict[str, str]:
+    """Claude Code pointed at `base_url`, its sessions and settings kept under `workdir`."""
     return {
         **os.environ,
         "ANTHROPIC_BASE_URL": base_url,
         "ANTHROPIC_API_KEY": "local",
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256",
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_output),
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "CLAUDE_CONFIG_DIR": str(workdir / ".claude"),
     }

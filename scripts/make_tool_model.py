@@ -120,9 +120,10 @@ def example(chat: ChatFormat, recorded: Recorded) -> tuple[list[int], int]:
     return whole, len(prompt)
 
 
-def fit(base: Path, examples: list[tuple[list[int], int]], out: Path, steps: int, seed: int) -> None:
+def fit(
+    model: Any, base: Path, examples: list[tuple[list[int], int]], out: Path, steps: int, seed: int
+) -> None:
     mx.random.seed(seed)
-    model = load(str(base))[0]
     train_top_layers(model, examples, trained=TRAINED_LAYERS, steps=steps, learning_rate=1e-4, seed=seed)
     fused = [(name, module.fuse()) for name, module in model.named_modules() if hasattr(module, "fuse")]
     model.update_modules(tree_unflatten(fused))
@@ -147,11 +148,11 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     base = ensure_default_model("float32")
     recorded = recorded_sessions(args.claude, args.sessions, args.seed, args.recorded)
-    model_dir_tokenizer = load(str(base))[1]
-    chat = ChatFormat(model_dir_tokenizer)
+    model, tokenizer = load(str(base))[:2]  # loaded once: the tokenizer renders, the model trains
+    chat = ChatFormat(tokenizer)
     examples = [example(chat, item) for item in recorded]
     print(f"{len(examples)} examples from {args.sessions} Claude Code sessions", file=sys.stderr)
-    fit(base, examples, args.out, args.steps, args.seed)
+    fit(model, base, examples, args.out, args.steps, args.seed)
     print(args.out)
     return args.out
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,9 @@ from typing import Any
 import pytest
 
 from semantic.engine.default_model import is_converted, user_cache_dir
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+from claude_code_recorder import SESSION_FLAGS, claude_env
 
 
 def claude_cli() -> str | None:
@@ -30,16 +32,7 @@ def claude(  # type: ignore[no-untyped-def]
     server, workdir: Path, *args: str, check: bool = True, max_output: int = 256, bare: bool = True
 ) -> dict[str, Any]:
     assert CLAUDE is not None
-    env = {
-        **os.environ,
-        "ANTHROPIC_BASE_URL": server.base_url,
-        "ANTHROPIC_API_KEY": "local",
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_output),
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "CLAUDE_CONFIG_DIR": str(
-            workdir / ".claude"
-        ),  # its sessions and settings stay in the test's directory
-    }
+    env = claude_env(server.base_url, workdir, max_output)
     command = [CLAUDE, "-p", *(["--bare"] if bare else []), "--output-format", "json", *args]
     done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 or not check, done.stderr + done.stdout
@@ -101,9 +94,6 @@ def test_claude_code_sends_a_sub_agent_that_reads_a_file(
     calls `Read` (Claude Code runs it), reports the file's secret word, and the main agent answers.
     The sub-agent is its own agent on the server, and the main conversation's next turn reuses its
     whole history."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
-    from claude_code_recorder import SESSION_FLAGS
-
     server = server_factory("--model", str(tool_model_dir), "--temperature", "0").start()
     notes = tmp_path / "notes.txt"
     notes.write_text("The secret word is quince.\n")
