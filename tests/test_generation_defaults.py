@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from semantic.engine.default_model import default_model_dir, ensure_default_model
 from semantic.engine.loading import generation_defaults_of
 from semantic.engine.sampling import GenerationDefaults, SamplingParams, make_sampler
 
@@ -31,9 +32,22 @@ def test_do_sample_false_means_greedy_and_missing_keys_stay_neutral(tmp_path: Pa
     assert generation_defaults_of(write_config(tmp_path, {"temperature": "hot"})) == GenerationDefaults()
 
 
-def test_the_default_model_uses_its_cards_sampling(tmp_path: Path) -> None:
+def test_the_default_model_is_greedy(tmp_path: Path) -> None:
     defaults = generation_defaults_of(write_config(tmp_path, {"eos_token_id": 2}), is_default=True)
-    assert defaults == GenerationDefaults(0.2, 0.9, 0)
+    assert defaults == GenerationDefaults(0.0, 1.0, 0)
+
+
+def test_a_default_model_converted_by_an_older_version_gets_todays_sampling(tmp_path: Path) -> None:
+    model_dir = default_model_dir("float32", tmp_path)
+    model_dir.mkdir(parents=True)
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (model_dir / name).write_text("{}")
+    (model_dir / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    write_config(model_dir, {"eos_token_id": 2, "temperature": 0.2, "top_p": 0.9})
+    assert ensure_default_model("float32", models_dir=tmp_path) == model_dir
+    refreshed = json.loads((model_dir / "generation_config.json").read_text())
+    assert refreshed == {"eos_token_id": 2, "do_sample": False}
+    assert generation_defaults_of(model_dir) == GenerationDefaults(0.0, 1.0, 0)
 
 
 def test_the_request_and_the_server_win_over_the_model() -> None:
