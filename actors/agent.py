@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from loguru import logger
@@ -34,24 +33,19 @@ from semantic.actors.agent_messages import (
     StopAgent,
 )
 from semantic.actors.history_marks import HistoryMark, HistoryMarks
-from semantic.actors.models import ModelHost, ModelSession
+from semantic.actors.model_session import ModelSession
+from semantic.actors.models import ModelHost
+from semantic.actors.turn_prompt import build_request
 from semantic.actors.turns import (
     PreparedPrompt,
-    PromptBound,
-    PromptLimitError,
     TurnRequest,
     TurnStarted,
-    prepare_continuation,
-    prepare_stateless,
 )
 from semantic.engine.commands import DropCache, NeedsRestore, RestoreCache, TakeCache
 from semantic.engine.engine import Engine
 from semantic.engine.messages import Finished, FinishReason, GenerationRequest
 from semantic.engine.request_stream import RequestStream
-from semantic.launch import give_memory_back
 from semantic.storage.conversation_file import ConversationRecord
-
-LARGE_PROMPT_TOKENS = 100_000  # past this, the tokenizer's memory is handed back after each prompt
 
 
 class AgentActor:
@@ -229,34 +223,9 @@ class AgentActor:
     ) -> tuple[PreparedPrompt, GenerationRequest]:
         """Render and tokenize the turn (in the tokenizer workers), check its length, and make sure
         the agent's cache is in memory if it is on disk."""
-        chat, loaded = session.chat, session.loaded
-        bound = PromptBound(loaded.max_chars_per_token, loaded.context_length, self.max_prompt_tokens)
-        if conversation is not None:
-            history, system = conversation.token_ids, conversation.system
-            prompt = await self._models.tokenize(prepare_continuation, chat, history, system, turn, bound)
-        else:
-            prompt = await self._models.tokenize(prepare_stateless, chat, turn, bound)
-        num_tokens = len(prompt.token_ids)
-        if self.max_prompt_tokens is not None and num_tokens > self.max_prompt_tokens:
-            del prompt
-            await self._models.tokenize(give_memory_back)  # what tokenizing it took, back to the OS
-            raise PromptLimitError(num_tokens, self.max_prompt_tokens)
-        if num_tokens >= LARGE_PROMPT_TOKENS:
-            await self._models.tokenize(give_memory_back)
-        sampling = turn.sampling.with_defaults(session.loaded.generation_defaults)
-        if prompt.stop_after_call and prompt.stop_after_call not in sampling.stop:
-            sampling = replace(sampling, stop=(*sampling.stop, prompt.stop_after_call))
-        request = GenerationRequest(
-            turn.request_id,
-            prompt.token_ids,
-            sampling,
-            model_fingerprint=session.loaded.fingerprint,
-            cache_salt=turn.cache_salt,
+        prompt, request = await build_request(
+            self._models, session, conversation, turn, self.max_prompt_tokens
         )
-        if prompt.grammar is not None:
-            compile_grammar = session.grammars.matcher
-            grammar, trigger = prompt.grammar.grammar, prompt.grammar.trigger
-            request.grammar = await self._models.tokenize(compile_grammar, grammar, trigger)
         request.agent_id = self.agent_id
         if await self._restore_from_disk(session, turn.cache_salt):
             request.cache_tier_hint = "disk"

@@ -12,86 +12,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import mlx.core as mx
 from loguru import logger
 
+from semantic.actors.model_session import (
+    Holds,
+    ModelLoadError,
+    ModelSession,
+    ModelUnavailableError,
+    SwapReport,
+)
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.chat_format import ChatFormat
 from semantic.engine.commands import Drain, LoadModel, SnapshotCaches, UnloadModel
-from semantic.engine.engine import Engine, EngineConfig, EngineError
+from semantic.engine.engine import Engine, EngineConfig
 from semantic.engine.grammar import GrammarCompiler
-from semantic.engine.loading import LoadedModel
 from semantic.engine.registry import ModelEntry, ModelRegistry
 from semantic.storage.cache_file import CacheIdentity
 from semantic.storage.persistence import PersistenceActor
 
 T = TypeVar("T")
-
-
-class ModelUnavailableError(EngineError):
-    """No model could be made ready in time for a request (a swap failed or took too long)."""
-
-
-class ModelLoadError(ModelUnavailableError):
-    """The requested model failed to load (the previous one, if any, was loaded back)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SwapReport:
-    """What one model transition did and how long each phase took."""
-
-    from_model: str | None
-    to_model: str | None
-    drain_s: float = 0.0
-    num_cancelled: int = 0
-    flush_s: float = 0.0
-    num_flushed: int = 0
-    unload_s: float = 0.0
-    load_s: float = 0.0
-    total_s: float = 0.0
-    active_memory_before_unload: int = 0
-    active_memory_after_unload: int = 0
-    active_memory_after_load: int = 0
-    error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSession:
-    """One loaded model and what belongs to it; valid until the next transition."""
-
-    loaded: LoadedModel
-    chat: ChatFormat
-    persistence: PersistenceActor | None
-    grammars: GrammarCompiler
-
-
-class Holds:
-    """How many tasks hold something, and a way to wait until none does."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._none = asyncio.Event()
-        self._none.set()
-
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        self.count += 1
-        self._none.clear()
-        try:
-            yield
-        finally:
-            self.count -= 1
-            if self.count == 0:
-                self._none.set()
-
-    async def none_held(self) -> None:
-        await self._none.wait()
 
 
 class ModelHost:

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from bench.common import write_results
 from semantic import AgentId, AgentSystem, SystemConfig, TurnRequest
-from semantic.actors.models import SwapReport
+from semantic.actors.model_session import SwapReport
 from semantic.engine.default_model import ensure_default_model
 from semantic.engine.engine import EngineConfig
 from semantic.engine.registry import ModelEntry

@@ -26,8 +26,8 @@ class Semantic:
     name = "semantic"
     model = "default"
 
-    def __init__(self, model_dir: Path, cache_dir: Path) -> None:
-        self.process = ServerProcess(cache_dir, "--model", str(model_dir), "--temperature", "0")
+    def __init__(self, model_dir: Path, cache_dir: Path, *extra_args: str) -> None:
+        self.process = ServerProcess(cache_dir, "--model", str(model_dir), "--temperature", "0", *extra_args)
         self.base_url = self.process.base_url
 
     def start(self) -> None:
@@ -42,9 +42,10 @@ class MlxLmServer:
 
     name = "mlx_lm.server"
 
-    def __init__(self, model_dir: Path, log_dir: Path, max_tokens: int) -> None:
+    def __init__(self, model_dir: Path, log_dir: Path, max_tokens: int, *extra_args: str) -> None:
         self.model_dir = model_dir
         self.max_tokens = max_tokens
+        self.extra_args = list(extra_args)
         self.model = str(model_dir)
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -53,7 +54,7 @@ class MlxLmServer:
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(self.model_dir)]
-        cmd += ["--port", str(self.port), "--max-tokens", str(self.max_tokens)]
+        cmd += ["--port", str(self.port), "--max-tokens", str(self.max_tokens), *self.extra_args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

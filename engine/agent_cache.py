@@ -19,10 +19,17 @@ from typing import Any
 
 import mlx.core as mx
 from loguru import logger
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from semantic.engine.block_pool import BlockPool, hash_block_tokens, hash_prefix_blocks, salt_root
 from semantic.engine.cache_spec import ModelCacheSpec
+from semantic.engine.layer_caches import (
+    BlockCodec,
+    block_payload,
+    full_layers_of,
+    kv_of,
+    layer_caches,
+    rotating_can_trim,
+)
 
 # None for an agent with no tokens yet.
 LayerKV = tuple[mx.array | None, mx.array | None]
@@ -81,9 +88,16 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 class AgentCacheStore:
-    def __init__(self, spec: ModelCacheSpec, pool: BlockPool, new_caches: Callable[[], list[Any]]) -> None:
+    def __init__(
+        self,
+        spec: ModelCacheSpec,
+        pool: BlockPool,
+        new_caches: Callable[[], list[Any]],
+        codec: BlockCodec | None = None,
+    ) -> None:
         self.spec = spec
         self.pool = pool
+        self.codec = codec or BlockCodec()
         self._new_caches = new_caches
         self.agents: dict[str, AgentCache] = {}
         # Evicted caches wait here until the engine hands them to persistence.
@@ -122,7 +136,7 @@ class AgentCacheStore:
             )
         if self.spec.has_sliding_layers and num_reused < agent.num_tokens:
             trim = agent.num_tokens - num_reused
-            if not all(_rotating_can_trim(state, trim) for state in agent.sliding_states):
+            if not all(rotating_can_trim(state, trim) for state in agent.sliding_states):
                 logger.info(
                     "agent {}: full prefill; sliding-window layers cannot drop the last {} cached tokens",
                     agent_id,
@@ -168,43 +182,13 @@ class AgentCacheStore:
             return self._new_caches()
         block_ids = agent.block_ids[: self.spec.num_blocks_for(num_tokens)]
         full_layers = [
-            (k[..., :num_tokens, :], v[..., :num_tokens, :]) for k, v in self._full_layers(block_ids)
+            (k[..., :num_tokens, :], v[..., :num_tokens, :])
+            for k, v in full_layers_of(self.pool, self.spec, block_ids, self.codec)
         ]
-        return self._layer_caches(
-            full_layers, num_tokens, agent.sliding_states, agent.num_tokens - num_tokens
+        sliding_trim = agent.num_tokens - num_tokens
+        return layer_caches(
+            self.spec, self._new_caches(), full_layers, num_tokens, agent.sliding_states, sliding_trim
         )
-
-    def _full_layers(self, block_ids: list[int]) -> list[tuple[mx.array, mx.array]]:
-        """Each full-attention layer's keys and values over `block_ids`, concatenated in order."""
-        payloads = [self.pool.payload(block_id) for block_id in block_ids]
-        return [
-            (
-                mx.concatenate([p[slot][0] for p in payloads], axis=2),
-                mx.concatenate([p[slot][1] for p in payloads], axis=2),
-            )
-            for slot in range(len(self.spec.full_layer_ids))
-        ]
-
-    def _layer_caches(
-        self,
-        full_layers: list[tuple[Any, Any]],
-        num_tokens: int,
-        sliding_states: list[Any],
-        sliding_trim: int = 0,
-    ) -> list[Any]:
-        """mlx-lm per-layer cache objects: full layers from keys/values, sliding ones from states."""
-        caches = self._new_caches()
-        for (keys, values), layer in zip(full_layers, self.spec.full_layer_ids, strict=True):
-            full = KVCache()
-            full.state = (keys, values, num_tokens)
-            caches[layer] = full
-        for state, layer in zip(sliding_states, self.spec.sliding_layer_ids, strict=True):
-            sliding = RotatingKVCache(max_size=1)
-            sliding.state = state
-            if sliding_trim:
-                sliding.trim(sliding_trim)
-            caches[layer] = sliding
-        return caches
 
     def store(
         self,
@@ -218,7 +202,7 @@ class AgentCacheStore:
         blocks it did not use."""
         assert len(layer_caches) == self.spec.num_layers, "cache layers do not match the spec: engine bug"
         size = self.spec.block_size
-        full_kv = [_kv_of(layer_caches[layer], len(token_ids)) for layer in self.spec.full_layer_ids]
+        full_kv = [kv_of(layer_caches[layer], len(token_ids)) for layer in self.spec.full_layer_ids]
         spare = list(reserved)
         block_ids: list[int] = []
         parent = salt_root(salt)
@@ -232,7 +216,7 @@ class AgentCacheStore:
                     block_ids.append(existing)
                     continue
             block_id = spare.pop() if spare else self._allocate_one()
-            payload = _block_payload(full_kv, start, len(tokens))
+            payload = block_payload(full_kv, start, len(tokens), self.codec)
             if len(tokens) == size:
                 assert parent is not None
                 self.pool.cache_full_block(block_id, parent, tokens, payload)
@@ -260,7 +244,7 @@ class AgentCacheStore:
             return []
         size = self.spec.block_size
         hashes = hash_prefix_blocks(token_ids, size, salt)
-        full_kv = [_kv_of(layer_caches[layer], len(hashes) * size) for layer in self.spec.full_layer_ids]
+        full_kv = [kv_of(layer_caches[layer], len(hashes) * size) for layer in self.spec.full_layer_ids]
         published: list[int] = []
         for start, block_hash in zip(range(0, len(hashes) * size, size), hashes, strict=True):
             tokens = token_ids[start : start + size]
@@ -269,7 +253,9 @@ class AgentCacheStore:
             if not spare:
                 break
             block_id = spare.pop()
-            self.pool.cache_full_block(block_id, block_hash, tokens, _block_payload(full_kv, start, size))
+            self.pool.cache_full_block(
+                block_id, block_hash, tokens, block_payload(full_kv, start, size, self.codec)
+            )
             published.append(block_id)
         mx.eval([self.pool.payload(b) for b in published])
         return published
@@ -314,7 +300,7 @@ class AgentCacheStore:
     def snapshot(self, agent_id: str) -> CacheSnapshot:
         agent = self.agents[agent_id]
         full_layers: list[tuple[Any, Any]] = (
-            list(self._full_layers(agent.block_ids))
+            full_layers_of(self.pool, self.spec, agent.block_ids, self.codec)
             if agent.block_ids
             else [(None, None)] * len(self.spec.full_layer_ids)
         )
@@ -325,28 +311,10 @@ class AgentCacheStore:
         blocks filed under the salt of the turn that needs it."""
         self.drop(snapshot.agent_id)
         num_tokens = len(snapshot.token_ids)
-        caches = self._layer_caches(snapshot.full_layers, num_tokens, snapshot.sliding_layers)
+        caches = layer_caches(
+            self.spec, self._new_caches(), snapshot.full_layers, num_tokens, snapshot.sliding_layers
+        )
         needed = self.spec.num_blocks_for(num_tokens)
         if not self.pool.can_allocate(needed):
             self.evict_until(needed)
         self.store(snapshot.agent_id, snapshot.token_ids, caches, [], salt)
-
-
-def _kv_of(cache: Any, num_tokens: int) -> tuple[mx.array, mx.array]:
-    keys, values = cache.state[0], cache.state[1]
-    assert keys.shape[2] >= num_tokens, "cache holds fewer tokens than its token list: engine bug"
-    return keys[..., :num_tokens, :], values[..., :num_tokens, :]
-
-
-def _block_payload(full_kv: list[tuple[mx.array, mx.array]], start: int, length: int) -> tuple[Any, ...]:
-    """One block's keys and values for every full-attention layer, copied out of the sequence."""
-    end = start + length
-    return tuple(
-        (mx.contiguous(k[..., start:end, :]), mx.contiguous(v[..., start:end, :])) for k, v in full_kv
-    )
-
-
-def _rotating_can_trim(state: tuple[Any, ...], num_tokens: int) -> bool:
-    cache = RotatingKVCache(max_size=1)
-    cache.state = state
-    return num_tokens == 0 or cache.is_trimmable()

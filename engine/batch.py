@@ -7,6 +7,7 @@ its reserved blocks and posts its last events.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from semantic.engine.messages import (
     TokenDelta,
 )
 from semantic.engine.outbox import Outbox
+from semantic.engine.prefill_budget import PrefillBudget
 from semantic.engine.sampling import make_sampler
 from semantic.engine.text_stream import TextStream
 
@@ -68,6 +70,7 @@ class Batch:
         self._outbox = outbox
         self._stream = stream
         self._generator = self._new_generator()
+        self.prefill_budget = PrefillBudget(config.num_tokens_per_prefill_step, config.prefill_stall_ratio)
         self.running: dict[int, Sequence] = {}
 
     def __len__(self) -> int:
@@ -137,14 +140,27 @@ class Batch:
         )
 
     def step(self) -> None:
-        """One generator step: prefill progress, one token for each decoding sequence, and the ends."""
+        """One generator step: one token for each decoding sequence, a prefill chunk sized by the
+        budget, and the ends."""
+        generator, budget = self._generator, self.prefill_budget
+        num_decoding = mlx_seams.num_generating(generator)
+        chunk = budget.tokens_for_tick(num_decoding)
+        mlx_seams.set_prefill_chunk(generator, chunk)
+        self._stats.prefill_chunk_tokens = chunk
+        prefilled_before = mlx_seams.num_prompt_tokens_processed(generator)
+        started = time.perf_counter()
         try:
-            prompt_responses, generation_responses = self._generator.next()
+            prompt_responses, generation_responses = generator.next()
         except Exception as error:
             logger.exception("batch step failed; failing {} requests", len(self.running))
             self._generator = self._new_generator()
             self._end_all(EngineError(f"generation failed: {error}"))
             return
+        budget.observe(
+            time.perf_counter() - started,
+            num_decoding,
+            mlx_seams.num_prompt_tokens_processed(generator) - prefilled_before,
+        )
         self._stats.num_steps += 1
         for progress in prompt_responses:
             prefilling = self.running.get(progress.uid)

@@ -14,9 +14,13 @@ class EngineConfig:
     model_name: str | None = None  # served under this name; None: derived from `model`
     block_size: int = 256
     cache_budget_mb: int = 4096
+    idle_kv_bits: int | None = None  # the pool (caches no sequence decodes from) quantized to 4 or 8 bits
     max_batch_size: int = 16
     prefill_batch_size: int | None = None  # None: 1 on the CPU, 8 on a GPU
     prefill_step_size: int | None = None  # None: 512 on the CPU, 2048 on a GPU
+    # While others decode, a tick prefills what takes about this many of their decode steps
+    # (engine/prefill_budget.py); 0: always `prefill_step_size`.
+    prefill_stall_ratio: float = 1.0
     # Waiting prompts are admitted shortest uncached part first; one waiting this long goes first.
     shortest_first_max_wait_s: float = 60.0
     tick_s: float = 0.010
@@ -47,3 +51,4 @@ class EngineStats:
     pool_budget_bytes: int = 0
     num_agents_cached: int = 0
     num_evictions: int = 0
+    prefill_chunk_tokens: int = 0  # the last tick's prefill budget

@@ -93,6 +93,16 @@ def num_generating(generator: BatchGenerator) -> int:
     return len(generator._generation_batch)
 
 
+def set_prefill_chunk(generator: BatchGenerator, num_tokens: int) -> None:
+    """The most prompt tokens of each prefilling sequence that the generator's next `next()` runs."""
+    generator.prefill_step_size = num_tokens
+
+
+def num_prompt_tokens_processed(generator: BatchGenerator) -> int:
+    """Prompt tokens the generator has prefilled since it was made."""
+    return int(generator._counters.prompt_tokens)
+
+
 def check_generator(generator: Any) -> None:
     for name, use in (
         ("_currently_processing", "is_prefilling() reads it to hold prompts while a batch prefills"),
@@ -105,6 +115,16 @@ def check_generator(generator: Any) -> None:
             lambda value: len(value) == 0,
             getattr(generator, name),
         )
+    _require(
+        "BatchGenerator's `_counters.prompt_tokens` counts prefilled tokens from 0 "
+        "(the prefill budget measures each chunk with it)",
+        lambda: generator._counters.prompt_tokens == 0,
+    )
+    _require(
+        "BatchGenerator's `next()` reads `prefill_step_size` for each chunk (the prefill budget sets it "
+        "every tick)",
+        lambda: "self.prefill_step_size" in inspect.getsource(type(generator)._next),
+    )
     for method, parameters in (
         ("insert", ("prompts", "max_tokens", "caches", "all_tokens", "samplers")),
         ("remove", ("uids", "return_prompt_caches")),

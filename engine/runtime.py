@@ -21,6 +21,7 @@ from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_tensors import SerializedCache, from_tensors, to_tensors
 from semantic.engine.commands import CachedAgent, PoolReport
 from semantic.engine.config import EngineConfig, EngineStats
+from semantic.engine.layer_caches import BlockCodec
 from semantic.engine.loading import LoadedModel, load_model
 from semantic.engine.outbox import Outbox
 
@@ -48,12 +49,15 @@ class Runtime:
         mlx_seams.check_seams(loaded.model)
         mlx_seams.install_cpu_attention()
         spec = loaded.spec
-        pool = BlockPool.from_budget(config.cache_budget_mb * 2**20, spec.bytes_per_block, spec.block_size)
+        codec = BlockCodec.for_spec(spec, config.idle_kv_bits)
+        pool = BlockPool.from_budget(
+            config.cache_budget_mb * 2**20, codec.bytes_per_block(spec), spec.block_size
+        )
         model = loaded.model
-        store = AgentCacheStore(spec, pool, lambda: make_prompt_cache(model))
+        store = AgentCacheStore(spec, pool, lambda: make_prompt_cache(model), codec)
         batch = Batch(loaded, pool, store, config, stream, stats, outbox)
         logger.info(
-            "loaded {} ({} layers, {} KV heads, head dim {}, {}); pool {} blocks of {} tokens = {:.0f} MiB",
+            "loaded {} ({} layers, {} KV heads, head dim {}, {}); pool {} blocks of {} tokens = {:.0f} MiB{}",
             loaded.name,
             spec.num_layers,
             spec.num_kv_heads,
@@ -62,6 +66,7 @@ class Runtime:
             pool.num_blocks,
             spec.block_size,
             pool.budget_bytes / 2**20,
+            f", idle caches at {codec.bits} bits" if codec.bits else "",
         )
         return cls(loaded, pool, store, batch)
 

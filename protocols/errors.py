@@ -11,7 +11,7 @@ from aiohttp.typedefs import Handler
 from loguru import logger
 
 from semantic.actors.agent_messages import AgentStoppedError, MailboxFullError
-from semantic.actors.models import ModelUnavailableError
+from semantic.actors.model_session import ModelUnavailableError
 from semantic.engine.engine import EngineError
 from semantic.engine.registry import UnknownModelError
 from semantic.storage.persistence import PersistenceStoppedError

@@ -92,6 +92,11 @@ class _SystemCollector(Collector):
         )
         yield GaugeMetricFamily("semantic_batch_size", "Sequences decoding in the batch", stats.num_running)
         yield GaugeMetricFamily(
+            "semantic_prefill_chunk_tokens",
+            "Prompt tokens the last engine tick could prefill (the prefill budget)",
+            stats.prefill_chunk_tokens,
+        )
+        yield GaugeMetricFamily(
             "semantic_requests_in_flight", "Admitted generation requests", self.num_in_flight()
         )
         pool = GaugeMetricFamily("semantic_pool_bytes", "KV block pool bytes", labels=["kind"])

@@ -29,6 +29,11 @@ MODEL_FLAGS = [
         "cache.kv_bits",
         "quantize the KV cache (refused at start-up where mlx-lm cannot batch it)",
     ),
+    (
+        "--idle-kv-bits",
+        "cache.idle_kv_bits",
+        "keep caches no sequence is decoding from quantized to 4 or 8 bits (more agents per GB)",
+    ),
     ("--max-batch-size", "engine.max_batch_size", "sequences decoding together"),
     ("--tick-ms", "engine.tick_ms", "shortest engine tick under load, in ms"),
     (
@@ -40,6 +45,11 @@ MODEL_FLAGS = [
         "--prefill-step-size",
         "engine.prefill_step_size",
         "prefill chunk in tokens (0: 512 on CPU, 2048 on GPU)",
+    ),
+    (
+        "--prefill-stall-ratio",
+        "engine.prefill_stall_ratio",
+        "while others decode, prefill per tick what takes this many of their decode steps (0: off)",
     ),
     (
         "--shortest-first-max-wait-s",
@@ -172,12 +182,14 @@ def _system_config(settings: Settings) -> SystemConfig:
         model=settings.model.name,
         block_size=settings.cache.block_size,
         cache_budget_mb=settings.cache.budget_mb,
+        idle_kv_bits=settings.cache.idle_kv_bits,
         max_batch_size=settings.engine.max_batch_size,
         tick_s=settings.engine.tick_ms / 1000,
         default_dtype=settings.model.dtype,
         models_dir=_models_dir(settings),
         prefill_batch_size=settings.engine.prefill_batch_size or None,
         prefill_step_size=settings.engine.prefill_step_size or None,
+        prefill_stall_ratio=settings.engine.prefill_stall_ratio,
         shortest_first_max_wait_s=settings.engine.shortest_first_max_wait_s,
     )
     return SystemConfig(

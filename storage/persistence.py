@@ -34,6 +34,17 @@ from semantic.storage.conversation_file import (
     read_conversation,
     write_conversation,
 )
+from semantic.storage.persistence_messages import (
+    DeleteAgent,
+    ListOnDisk,
+    LoadCache,
+    LoadConversation,
+    PersistenceMessage,
+    QuarantineCache,
+    SaveCaches,
+    SaveConversation,
+    StopPersistence,
+)
 
 SUFFIX = ".safetensors"
 CONVERSATION_SUFFIX = ".conversation.json"
@@ -50,62 +61,6 @@ class DiskEntry:
     num_cached_tokens: int = 0  # 0 when there is no cache file
     has_cache: bool = False
     has_conversation: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class SaveCaches:
-    caches: list[SerializedCache]
-
-
-@dataclass(frozen=True, slots=True)
-class LoadCache:
-    agent_id: AgentId
-
-
-@dataclass(frozen=True, slots=True)
-class DeleteAgent:
-    agent_id: AgentId
-
-
-@dataclass(frozen=True, slots=True)
-class SaveConversation:
-    agent_id: AgentId
-    record: ConversationRecord
-
-
-@dataclass(frozen=True, slots=True)
-class LoadConversation:
-    agent_id: AgentId
-
-
-@dataclass(frozen=True, slots=True)
-class QuarantineCache:
-    """The cache file read fine but could not be used (the engine refused it): move it aside."""
-
-    agent_id: AgentId
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class ListOnDisk:
-    only: AgentId | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class StopPersistence:
-    pass
-
-
-PersistenceMessage = (
-    SaveCaches
-    | LoadCache
-    | DeleteAgent
-    | SaveConversation
-    | LoadConversation
-    | QuarantineCache
-    | ListOnDisk
-    | StopPersistence
-)
 
 
 class PersistenceActor:

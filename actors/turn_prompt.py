@@ -1,0 +1,62 @@
+"""A turn's prompt and engine request: rendered and tokenized in the tokenizer workers, bounded,
+given the model's sampling defaults and, where the turn constrains its output, a grammar."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from semantic.actors.model_session import ModelSession
+from semantic.actors.models import ModelHost
+from semantic.actors.turns import (
+    PreparedPrompt,
+    PromptBound,
+    PromptLimitError,
+    TurnRequest,
+    prepare_continuation,
+    prepare_stateless,
+)
+from semantic.engine.messages import GenerationRequest
+from semantic.launch import give_memory_back
+from semantic.storage.conversation_file import ConversationRecord
+
+LARGE_PROMPT_TOKENS = 100_000  # past this, the tokenizer's memory is handed back after each prompt
+
+
+async def build_request(
+    models: ModelHost,
+    session: ModelSession,
+    conversation: ConversationRecord | None,
+    turn: TurnRequest,
+    max_prompt_tokens: int | None,
+) -> tuple[PreparedPrompt, GenerationRequest]:
+    """The prompt (continuing `conversation` when the agent keeps one) and its engine request; raises
+    PromptLimitError past `max_prompt_tokens` after handing the tokenizer's memory back."""
+    chat, loaded = session.chat, session.loaded
+    bound = PromptBound(loaded.max_chars_per_token, loaded.context_length, max_prompt_tokens)
+    if conversation is not None:
+        history, system = conversation.token_ids, conversation.system
+        prompt = await models.tokenize(prepare_continuation, chat, history, system, turn, bound)
+    else:
+        prompt = await models.tokenize(prepare_stateless, chat, turn, bound)
+    num_tokens = len(prompt.token_ids)
+    if max_prompt_tokens is not None and num_tokens > max_prompt_tokens:
+        del prompt
+        await models.tokenize(give_memory_back)  # what tokenizing it took, back to the OS
+        raise PromptLimitError(num_tokens, max_prompt_tokens)
+    if num_tokens >= LARGE_PROMPT_TOKENS:
+        await models.tokenize(give_memory_back)
+    sampling = turn.sampling.with_defaults(session.loaded.generation_defaults)
+    if prompt.stop_after_call and prompt.stop_after_call not in sampling.stop:
+        sampling = replace(sampling, stop=(*sampling.stop, prompt.stop_after_call))
+    request = GenerationRequest(
+        turn.request_id,
+        prompt.token_ids,
+        sampling,
+        model_fingerprint=session.loaded.fingerprint,
+        cache_salt=turn.cache_salt,
+    )
+    if prompt.grammar is not None:
+        compile_grammar = session.grammars.matcher
+        grammar, trigger = prompt.grammar.grammar, prompt.grammar.trigger
+        request.grammar = await models.tokenize(compile_grammar, grammar, trigger)
+    return prompt, request

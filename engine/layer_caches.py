@@ -1,0 +1,112 @@
+"""Between mlx-lm's per-layer cache objects and the block pool's per-block keys and values.
+
+The pool holds caches that no sequence is decoding from (a running sequence keeps its own, at full
+precision, in the batch), so with `--idle-kv-bits` its blocks are kept quantized (`mx.quantize`,
+per group of `group_size` values along the head dimension) and dequantized when a turn starts
+from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from semantic.engine.block_pool import BlockPool
+from semantic.engine.cache_spec import ModelCacheSpec
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCodec:
+    """How the pool holds a block's keys and values: as computed, or quantized to `bits`."""
+
+    bits: int | None = None
+    group_size: int = 64
+
+    @classmethod
+    def for_spec(cls, spec: ModelCacheSpec, bits: int | None) -> BlockCodec:
+        if bits is None:
+            return cls()
+        if bits not in (4, 8):
+            raise ValueError(f"idle KV bits must be 4 or 8, got {bits}")
+        group_size = next((g for g in (64, 32) if spec.head_dim % g == 0), None)
+        if group_size is None:
+            raise ValueError(f"idle KV quantization needs a head dim divisible by 32, not {spec.head_dim}")
+        return cls(bits, group_size)
+
+    def bytes_per_block(self, spec: ModelCacheSpec) -> int:
+        if self.bits is None:
+            return spec.bytes_per_block
+        values = spec.bytes_per_block // spec.dtype_size
+        scales_and_biases = 2 * (values // self.group_size) * spec.dtype_size
+        return values * self.bits // 8 + scales_and_biases
+
+    def encode(self, array: mx.array) -> Any:
+        if self.bits is None:
+            return mx.contiguous(array)
+        return tuple(mx.quantize(array, group_size=self.group_size, bits=self.bits))
+
+    def decode(self, held: Any) -> mx.array:
+        if self.bits is None:
+            return held
+        weights, scales, biases = held
+        return mx.dequantize(weights, scales, biases, group_size=self.group_size, bits=self.bits)
+
+
+def full_layers_of(
+    pool: BlockPool, spec: ModelCacheSpec, block_ids: list[int], codec: BlockCodec
+) -> list[tuple[mx.array, mx.array]]:
+    """Each full-attention layer's keys and values over `block_ids`, concatenated in order."""
+    payloads = [pool.payload(block_id) for block_id in block_ids]
+    return [
+        (
+            mx.concatenate([codec.decode(p[slot][0]) for p in payloads], axis=2),
+            mx.concatenate([codec.decode(p[slot][1]) for p in payloads], axis=2),
+        )
+        for slot in range(len(spec.full_layer_ids))
+    ]
+
+
+def layer_caches(
+    spec: ModelCacheSpec,
+    caches: list[Any],
+    full_layers: list[tuple[Any, Any]],
+    num_tokens: int,
+    sliding_states: list[Any],
+    sliding_trim: int = 0,
+) -> list[Any]:
+    """Fill `caches` (fresh mlx-lm per-layer caches): full layers from keys and values, sliding
+    ones from their states, trimmed by `sliding_trim` tokens."""
+    for (keys, values), layer in zip(full_layers, spec.full_layer_ids, strict=True):
+        full = KVCache()
+        full.state = (keys, values, num_tokens)
+        caches[layer] = full
+    for state, layer in zip(sliding_states, spec.sliding_layer_ids, strict=True):
+        sliding = RotatingKVCache(max_size=1)
+        sliding.state = state
+        if sliding_trim:
+            sliding.trim(sliding_trim)
+        caches[layer] = sliding
+    return caches
+
+
+def kv_of(cache: Any, num_tokens: int) -> tuple[mx.array, mx.array]:
+    keys, values = cache.state[0], cache.state[1]
+    assert keys.shape[2] >= num_tokens, "cache holds fewer tokens than its token list: engine bug"
+    return keys[..., :num_tokens, :], values[..., :num_tokens, :]
+
+
+def block_payload(
+    full_kv: list[tuple[mx.array, mx.array]], start: int, length: int, codec: BlockCodec
+) -> tuple[Any, ...]:
+    """One block's keys and values for every full-attention layer, copied out of the sequence."""
+    end = start + length
+    return tuple((codec.encode(k[..., start:end, :]), codec.encode(v[..., start:end, :])) for k, v in full_kv)
+
+
+def rotating_can_trim(state: tuple[Any, ...], num_tokens: int) -> bool:
+    cache = RotatingKVCache(max_size=1)
+    cache.state = state
+    return num_tokens == 0 or cache.is_trimmable()

@@ -1,0 +1,120 @@
+"""The prefill budget: its arithmetic as properties, and the real engine keeping streams decoding."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from semantic.engine.commands import ReferenceGenerate
+from semantic.engine.engine import Engine, EngineConfig
+from semantic.engine.messages import Finished, GenerationRequest, PromptStarted, TokenDelta
+from semantic.engine.prefill_budget import MIN_CHUNK_TOKENS, PrefillBudget
+from semantic.engine.sampling import SamplingParams
+
+MAX_CHUNK = 512
+ticks = st.lists(
+    st.tuples(
+        st.floats(min_value=-1.0, max_value=10.0, allow_nan=False),
+        st.integers(min_value=0, max_value=16),
+        st.integers(min_value=0, max_value=4096),
+    ),
+    max_size=50,
+)
+
+
+@given(ticks, st.floats(min_value=0.0, max_value=8.0), st.integers(min_value=1, max_value=16))
+def test_a_tick_with_streams_decoding_prefills_between_the_floor_and_the_chunk(
+    observed: list[tuple[float, int, int]], ratio: float, num_decoding: int
+) -> None:
+    budget = PrefillBudget(MAX_CHUNK, ratio)
+    for elapsed_s, decoding, prompt_tokens in observed:
+        budget.observe(elapsed_s, decoding, prompt_tokens)
+        assert MIN_CHUNK_TOKENS <= budget.tokens_for_tick(num_decoding) <= MAX_CHUNK
+        assert budget.tokens_for_tick(0) == MAX_CHUNK  # nothing to stall: whole chunks
+    if ratio == 0:
+        assert budget.tokens_for_tick(num_decoding) == MAX_CHUNK
+
+
+@given(
+    decode_s=st.floats(min_value=0.001, max_value=1.0),
+    overhead_s=st.floats(min_value=0.0, max_value=0.5),
+    token_s=st.floats(min_value=1e-6, max_value=0.05),
+    ratio=st.floats(min_value=0.25, max_value=4.0),
+)
+def test_the_chunk_settles_where_prefill_takes_the_ratio_of_a_decode_step(
+    decode_s: float, overhead_s: float, token_s: float, ratio: float
+) -> None:
+    """On a machine whose tick costs decode + (overhead + n * token) when it prefills n tokens."""
+    budget = PrefillBudget(MAX_CHUNK, ratio)
+    budget.observe(decode_s, 4, 0)
+    for _ in range(200):
+        chunk = budget.tokens_for_tick(4)
+        budget.observe(decode_s + overhead_s + chunk * token_s, 4, chunk)
+    chunk = budget.tokens_for_tick(4)
+    prefill_s = overhead_s + chunk * token_s
+    target_s = ratio * decode_s
+    if MIN_CHUNK_TOKENS < chunk < MAX_CHUNK:
+        assert abs(prefill_s - target_s) <= 0.1 * target_s + token_s, (chunk, prefill_s, target_s)
+    elif chunk == MIN_CHUNK_TOKENS:
+        assert overhead_s + (MIN_CHUNK_TOKENS + 1) * token_s >= 0.9 * target_s  # even the floor costs more
+    else:
+        assert overhead_s + MAX_CHUNK * token_s <= 1.1 * target_s + token_s  # the whole chunk fits
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engine(default_model_dir: Path) -> AsyncIterator[Engine]:
+    config = EngineConfig(model=str(default_model_dir), cache_budget_mb=512, prefill_step_size=MAX_CHUNK)
+    engine = Engine(config)
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+def chat(engine: Engine, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    return list(engine.model.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_running_stream_keeps_decoding_while_a_long_prompt_prefills(engine: Engine) -> None:
+    # Raw text, no chat template: the model goes on counting without ending its turn.
+    counting = list(engine.model.tokenizer.encode(", ".join(str(i) for i in range(1, 21)) + ","))
+    long_prompt = chat(engine, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 250)
+    runner = engine.submit(GenerationRequest("runner", counting, SamplingParams(max_tokens=2000)))
+    arrival = engine.submit(GenerationRequest("arrival", long_prompt, SamplingParams(max_tokens=8)))
+    arrival_started = arrival_decoding = False
+    arrival_tokens: list[int] = []
+
+    async def follow_arrival() -> None:
+        nonlocal arrival_started, arrival_decoding
+        async for event in arrival:
+            if isinstance(event, PromptStarted):
+                arrival_started = True
+            elif isinstance(event, TokenDelta):
+                arrival_decoding = True
+                arrival_tokens.extend(event.token_ids)
+        runner.cancel()  # the runner has served its purpose
+
+    follower = asyncio.create_task(follow_arrival())
+    runner_tokens = tokens_during_prefill = 0
+    async for event in runner:
+        if isinstance(event, TokenDelta):
+            runner_tokens += len(event.token_ids)
+            if arrival_started and not arrival_decoding:
+                tokens_during_prefill += len(event.token_ids)
+        elif isinstance(event, Finished):
+            assert arrival_decoding, f"the runner ended after {runner_tokens} tokens, before the prefill did"
+    await follower
+    # Whole 512-token chunks would give the runner one token per chunk; the budget gives it many.
+    whole_chunks = math.ceil(len(long_prompt) / MAX_CHUNK)
+    assert tokens_during_prefill > 2 * whole_chunks, (tokens_during_prefill, len(long_prompt))
+    # Prefilled in chunks of changing sizes, the reply is still mlx-lm's own greedy one.
+    assert arrival_tokens == await engine.ask(ReferenceGenerate(long_prompt, 8))
