@@ -45,7 +45,7 @@ fmt:
 tool-model *ARGS:
     {{fast}} {{py}} scripts/make_tool_model.py {{ARGS}}
 
-# Run the benchmarks (about an hour on a 2-core CPU); figures and plots go to bench/results/.
+# Run the benchmarks (about 90 minutes on a 2-core CPU); figures and plots go to bench/results/.
 bench:
     {{fast}} {{py}} -m bench.batching
     {{fast}} {{py}} -m bench.agent_resume
@@ -53,6 +53,10 @@ bench:
     {{fast}} {{py}} -m bench.agent_replay
     {{fast}} {{py}} -m bench.hostile_load
     {{fast}} {{py}} -m bench.structured_output
+    {{fast}} {{py}} -m bench.arrivals
+    {{fast}} {{py}} -m bench.kv_footprint
+    {{fast}} {{py}} -m bench.decode_limit
+    {{fast}} {{py}} -m bench.idle_kv
 
 # Only the multi-agent replay against mlx_lm.server (pass e.g. --agents 1 4).
 bench-replay *ARGS:

@@ -84,14 +84,16 @@ def generation_config(eos_token_id: int) -> dict[str, Any]:
 
 
 def _refresh_generation_config(model_dir: Path) -> None:
-    """A directory converted by an older version keeps its weights but gets today's sampling."""
+    """A directory converted by an older version keeps its weights but gets today's sampling; a
+    generation_config.json that someone edited is theirs and left alone."""
     path = model_dir / "generation_config.json"
     try:
-        wanted = generation_config(json.loads((model_dir / "config.json").read_text())["eos_token_id"])
-        if path.exists() and json.loads(path.read_text()) == wanted:
+        eos_token_id = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
+        written_before = {"eos_token_id": eos_token_id, "temperature": 0.2, "top_p": 0.9}
+        if path.exists() and json.loads(path.read_text()) != written_before:
             return
         staging = path.with_suffix(".json.tmp")
-        staging.write_text(json.dumps(wanted))
+        staging.write_text(json.dumps(generation_config(eos_token_id)))
         os.replace(staging, path)
     except (OSError, ValueError, KeyError, TypeError):
         return  # a read-only or hand-edited directory: loading reads what is there

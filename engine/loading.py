@@ -123,10 +123,14 @@ def longest_token_length(tokenizer: Any) -> int:
 def generation_defaults_of(model_dir: Path, is_default: bool = False) -> GenerationDefaults:
     """The sampling the model's generation_config.json asks for (as vLLM and mlx-lm honour it):
     `do_sample: false` means greedy; what it leaves out stays at 1.0 / 1.0 / 0 (off)."""
-    config: dict[str, Any] = dict(DEFAULT_MODEL_SAMPLING) if is_default else {}
+    config: dict[str, Any] = {}
     path = model_dir / "generation_config.json"
     with contextlib.suppress(OSError, ValueError):
-        config.update(json.loads(path.read_text()) if path.exists() else {})
+        config = json.loads(path.read_text()) if path.exists() else {}
+    if not isinstance(config, dict):
+        config = {}
+    if is_default and not path.exists():
+        config = dict(DEFAULT_MODEL_SAMPLING)
     fallback = GenerationDefaults()
     temperature = config.get("temperature", fallback.temperature)
     if config.get("do_sample") is False:

@@ -32,9 +32,11 @@ def test_do_sample_false_means_greedy_and_missing_keys_stay_neutral(tmp_path: Pa
     assert generation_defaults_of(write_config(tmp_path, {"temperature": "hot"})) == GenerationDefaults()
 
 
-def test_the_default_model_is_greedy(tmp_path: Path) -> None:
-    defaults = generation_defaults_of(write_config(tmp_path, {"eos_token_id": 2}), is_default=True)
-    assert defaults == GenerationDefaults(0.0, 1.0, 0)
+def test_the_default_model_is_greedy_unless_its_config_says_otherwise(tmp_path: Path) -> None:
+    assert generation_defaults_of(tmp_path, is_default=True) == GenerationDefaults(0.0, 1.0, 0)
+    edited = write_config(tmp_path, {"temperature": 0.5})
+    assert generation_defaults_of(edited, is_default=True) == GenerationDefaults(0.5, 1.0, 0)
+    assert generation_defaults_of(write_config(tmp_path, [1, 2]), is_default=True) == GenerationDefaults()  # type: ignore[arg-type]
 
 
 def test_a_default_model_converted_by_an_older_version_gets_todays_sampling(tmp_path: Path) -> None:
@@ -48,6 +50,9 @@ def test_a_default_model_converted_by_an_older_version_gets_todays_sampling(tmp_
     refreshed = json.loads((model_dir / "generation_config.json").read_text())
     assert refreshed == {"eos_token_id": 2, "do_sample": False}
     assert generation_defaults_of(model_dir) == GenerationDefaults(0.0, 1.0, 0)
+    write_config(model_dir, {"eos_token_id": 2, "temperature": 0.7})  # edited by hand: left alone
+    ensure_default_model("float32", models_dir=tmp_path)
+    assert generation_defaults_of(model_dir).temperature == 0.7
 
 
 def test_the_request_and_the_server_win_over_the_model() -> None:
