@@ -46,7 +46,9 @@ async def build_request(
     if num_tokens >= LARGE_PROMPT_TOKENS:
         await models.tokenize(give_memory_back)
     sampling = turn.sampling.with_defaults(session.loaded.generation_defaults)
-    if prompt.stop_after_call and prompt.stop_after_call not in sampling.stop:
+    # A forced call ends at its closer. Under a grammar the grammar writes the closer and then allows
+    # only the end of the reply; a stop string would also fire on the closer inside a string argument.
+    if prompt.stop_after_call and prompt.grammar is None and prompt.stop_after_call not in sampling.stop:
         sampling = replace(sampling, stop=(*sampling.stop, prompt.stop_after_call))
     request = GenerationRequest(
         turn.request_id,

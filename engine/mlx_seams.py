@@ -115,16 +115,6 @@ def check_generator(generator: Any) -> None:
             lambda value: len(value) == 0,
             getattr(generator, name),
         )
-    _require(
-        "BatchGenerator's `_counters.prompt_tokens` counts prefilled tokens from 0 "
-        "(the prefill budget measures each chunk with it)",
-        lambda: generator._counters.prompt_tokens == 0,
-    )
-    _require(
-        "BatchGenerator's `next()` reads `prefill_step_size` for each chunk (the prefill budget sets it "
-        "every tick)",
-        lambda: "self.prefill_step_size" in inspect.getsource(type(generator)._next),
-    )
     for method, parameters in (
         ("insert", ("prompts", "max_tokens", "caches", "all_tokens", "samplers")),
         ("remove", ("uids", "return_prompt_caches")),
@@ -136,6 +126,16 @@ def check_generator(generator: Any) -> None:
             getattr(generator, method, None),
             parameters,
         )
+    _require(
+        "BatchGenerator's `_counters.prompt_tokens` counts prefilled tokens from 0 "
+        "(the prefill budget measures each chunk with it)",
+        lambda: generator._counters.prompt_tokens == 0,
+    )
+    _require(
+        "BatchGenerator's `next()` reads `prefill_step_size` for each chunk (the prefill budget sets it "
+        "every tick)",
+        lambda: "self.prefill_step_size" in inspect.getsource(type(generator)._next),
+    )
 
 
 # ---- cache state layouts: agent_cache builds caches from `state`, cache_tensors writes it out ----

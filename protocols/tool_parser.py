@@ -82,17 +82,26 @@ class ToolCallParser:
             text = self._read_reply_head(text)
         self._state, segments = TextStateMachine.split(self._state, text)
         parts: list[ParsedPart] = []
-        for state, piece in segments:
+        for at, (state, piece) in enumerate(segments):
             if state == "tool":
                 if self._call_opener is None:
                     self._call_opener = self._format.start
                 self._call_text += piece
                 continue
             if self._call_opener is not None:
+                if _ends_inside_a_json_string(self._call_text):
+                    return parts + self._reread_as_call(_rejoin(segments[at:], self._format))
                 parts += self._close_call(self._format.end)
             if piece:
                 parts.append(TextPart(piece))
         return parts
+
+    def _reread_as_call(self, text: str) -> list[ParsedPart]:
+        """The closer was inside a JSON string argument: it and what followed are the call's text."""
+        self._call_text += self._format.end
+        self._state, held_back, _ = TextStateMachine.flush(self._state)
+        self._state = self._machine.make_state("tool")
+        return self.feed(text + held_back)
 
     def finish(self) -> list[ParsedPart]:
         """End of generation: settle a call block left open and release held-back text."""
@@ -178,6 +187,33 @@ def _checked_calls(parsed: object) -> list[tuple[str, dict[str, Any]]] | None:
             return None
         calls.append((call["name"], arguments))
     return calls or None
+
+
+def _rejoin(segments: list[tuple[str, str]], tool_format: ToolFormat) -> str:
+    """The text the state machine split into `segments` (from a normal one on), markers put back."""
+    text, previous = "", "normal"
+    for state, piece in segments:
+        if state != previous:
+            text += tool_format.start if state == "tool" else tool_format.end
+        text += piece
+        previous = state
+    return text
+
+
+def _ends_inside_a_json_string(call_text: str) -> bool:
+    """Whether a JSON call's text so far ends inside a string (where a closer is only text)."""
+    body = call_text.lstrip()
+    if not body.startswith(("{", "[")):
+        return False
+    in_string = escaped = False
+    for char in body:
+        if escaped:
+            escaped = False
+        elif in_string and char == "\\":
+            escaped = True
+        elif char == '"':
+            in_string = not in_string
+    return in_string
 
 
 def _closing(json_text: str) -> str:

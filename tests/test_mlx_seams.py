@@ -57,3 +57,17 @@ def test_a_probe_that_raises_fails_naming_the_assumption_and_the_error() -> None
 
     with pytest.raises(SeamError, match=r"`_currently_processing` is an empty sized collection.*TypeError"):
         mlx_seams.check_generator(StandIn())
+
+
+def test_a_generator_that_no_longer_counts_prompt_tokens_fails_naming_it() -> None:
+    class StandIn:
+        _currently_processing = _unprocessed_sequences = _generation_batch = ()
+
+        def insert(
+            self, prompts: object, max_tokens: object, caches: object, all_tokens: object, samplers: object
+        ) -> None: ...
+        def remove(self, uids: object, return_prompt_caches: bool = False) -> None: ...
+        def extract_cache(self, uids: object) -> None: ...
+
+    with pytest.raises(SeamError, match=r"`_counters.prompt_tokens` counts prefilled tokens"):
+        mlx_seams.check_generator(StandIn())

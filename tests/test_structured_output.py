@@ -207,6 +207,22 @@ def test_forced_tool_call_input_validates(server, temperature: float) -> None:  
         assert not [block for block in content if block.type == "text" and block.text.strip()], content
 
 
+def test_a_forced_call_whose_argument_holds_the_call_closer_is_not_cut_there(server) -> None:  # type: ignore[no-untyped-def]
+    """The grammar, not a stop string, ends a forced call: `</tool_call>` inside a string is text."""
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+    closer = {"type": "object", "properties": {"note": {"enum": ["a</tool_call>b"]}}, "required": ["note"]}
+    reply = client.messages.create(
+        model="default",
+        messages=[{"role": "user", "content": "Write the note."}],
+        max_tokens=60,
+        tools=[{"name": "write_note", "description": "Write a note", "input_schema": closer}],  # type: ignore[list-item]
+        tool_choice={"type": "tool", "name": "write_note"},
+    )
+    assert reply.stop_reason == "tool_use", reply.content
+    (call,) = [block for block in reply.content if block.type == "tool_use"]
+    assert call.input == {"note": "a</tool_call>b"}
+
+
 def test_unenforceable_schemas_are_refused_in_each_protocols_shape(server) -> None:  # type: ignore[no-untyped-def]
     lookahead = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=x)"}}}
     negation = {"not": {"type": "string"}}

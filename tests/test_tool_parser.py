@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from semantic.engine.chat_format import ChatFormat
-from semantic.engine.tool_format import ToolFormat
+from semantic.engine.tool_format import HERMES, ToolFormat
 from semantic.protocols.tool_parser import (
     ParsedPart,
     TextPart,
@@ -225,3 +225,14 @@ def split(draw: st.DrawFn) -> tuple[str, list[str]]:
 def test_splitting_the_text_never_changes_the_result(sample: tuple[str, list[str]]) -> None:
     key, chunks = sample
     assert summary(run(key, chunks)) == summary(run(key, ["".join(chunks)]))
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_closer_inside_a_json_string_argument_is_part_of_the_call(step: int) -> None:
+    text = 'Sure. <tool_call>\n{"name": "note", "arguments": {"text": "a</tool_call>b"}}\n</tool_call> done'
+    parser = ToolCallParser(HERMES)
+    parts = [part for at in range(0, len(text), step) for part in parser.feed(text[at : at + step])]
+    parts += parser.finish()
+    ends = [part for part in parts if isinstance(part, ToolCallEnd)]
+    assert [(end.name, end.arguments) for end in ends] == [("note", {"text": "a</tool_call>b"})]
+    assert "".join(part.text for part in parts if isinstance(part, TextPart)) == "Sure.  done"
