@@ -2,7 +2,7 @@
 
 Each decoded token reads every weight once and the sequence's KV cache once, so no decoder on
 this machine can beat bandwidth / (weight bytes + KV bytes per step). The bandwidth is measured
-here, on the same box, as the best of several full reads of a 1 GiB MLX array; the decode speed is
+here, on the same box, as the best of several matrix-vector products over a 1 GiB matrix; the decode speed is
 one greedy stream through the engine (the agent system in-process, as the server runs it) after a
 ~500-token prompt (a count it carries on). Writes bench/results/decode_limit.json.
 
@@ -31,17 +31,18 @@ NEW_TOKENS = 256
 PROMPT_TOKENS = 500
 
 
-def read_bandwidth(num_bytes: int = 2**30, repeats: int = 7) -> float:
-    """Bytes per second of the best full read (a sum) of a `num_bytes` float32 array."""
-    data = mx.random.uniform(shape=(num_bytes // 4,))
-    mx.eval(data)
+def read_bandwidth(side: int = 16384, repeats: int = 7) -> float:
+    """Bytes per second of the best matrix-vector product over a `side` x `side` float32 matrix
+    (1 GiB): the access pattern of a decode step, through the same BLAS, on every core it uses."""
+    matrix = mx.random.uniform(shape=(side, side))
+    vector = mx.random.uniform(shape=(side,))
+    mx.eval(matrix, vector)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        mx.eval(data.sum())
+        mx.eval(matrix @ vector)
         best = min(best, time.perf_counter() - start)
-    del data
-    return num_bytes / best
+    return matrix.nbytes / best
 
 
 async def decode_speed(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
