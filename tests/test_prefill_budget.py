@@ -71,7 +71,12 @@ def test_the_chunk_settles_where_prefill_takes_the_ratio_of_a_decode_step(
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def engine(default_model_dir: Path) -> AsyncIterator[Engine]:
-    config = EngineConfig(model=str(default_model_dir), cache_budget_mb=512, prefill_step_size=MAX_CHUNK)
+    config = EngineConfig(
+        model=str(default_model_dir),
+        cache_budget_mb=512,
+        prefill_step_size=MAX_CHUNK,
+        prefill_stall_ratio=1.0,
+    )
     engine = Engine(config)
     await engine.start()
     yield engine
