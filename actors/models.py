@@ -34,7 +34,7 @@ from semantic.engine.commands import Drain, LoadModel, SnapshotCaches, UnloadMod
 from semantic.engine.engine import Engine, EngineConfig
 from semantic.engine.grammar import GrammarCompiler
 from semantic.engine.registry import ModelEntry, ModelRegistry
-from semantic.storage.cache_file import CacheIdentity
+from semantic.storage.cache_file import identity_of
 from semantic.storage.persistence import PersistenceActor
 
 T = TypeVar("T")
@@ -229,14 +229,7 @@ class ModelHost:
         loaded = self.engine.model
         persistence = None
         if self.persist_caches:
-            identity = CacheIdentity(
-                loaded.name,
-                loaded.fingerprint,
-                loaded.spec.block_size,
-                loaded.spec.to_dict(),
-                loaded.vocab_size,
-            )
-            persistence = PersistenceActor(self.cache_dir, identity)
+            persistence = PersistenceActor(self.cache_dir, identity_of(loaded))
             await persistence.start()
         grammars = GrammarCompiler(loaded.tokenizer, sorted(loaded.eos_token_ids))
         self.session = ModelSession(loaded, ChatFormat(loaded.tokenizer), persistence, grammars)

@@ -22,6 +22,7 @@ from semantic.engine.commands import Submit
 from semantic.engine.config import EngineConfig, EngineStats
 from semantic.engine.errors import EngineError
 from semantic.engine.loading import LoadedModel
+from semantic.engine.lockstep import next_digest
 from semantic.engine.messages import (
     Event,
     EventChannel,
@@ -72,6 +73,7 @@ class Batch:
         self._generator = self._new_generator()
         self.prefill_budget = PrefillBudget(config.num_tokens_per_prefill_step, config.prefill_stall_ratio)
         self.running: dict[int, Sequence] = {}
+        self.token_digest = 0  # of every token generated, in order: ranks of a group compare it
 
     def __len__(self) -> int:
         return len(self.running)
@@ -139,12 +141,17 @@ class Batch:
             PromptStarted(len(request.prompt_tokens), prepared.num_cached_tokens, prepared.tier),
         )
 
-    def step(self) -> None:
-        """One generator step: one token for each decoding sequence, a prefill chunk sized by the
-        budget, and the ends."""
+    def next_chunk(self) -> int:
+        """The prompt tokens the next step may prefill (the budget's choice for what decodes now)."""
+        return self.prefill_budget.tokens_for_tick(mlx_seams.num_generating(self._generator))
+
+    def step(self, chunk: int | None = None) -> None:
+        """One generator step: one token for each decoding sequence, a prefill chunk (`chunk`, or
+        sized by the budget), and the ends."""
         generator, budget = self._generator, self.prefill_budget
         num_decoding = mlx_seams.num_generating(generator)
-        chunk = budget.tokens_for_tick(num_decoding)
+        if chunk is None:
+            chunk = budget.tokens_for_tick(num_decoding)
         mlx_seams.set_prefill_chunk(generator, chunk)
         self._stats.prefill_chunk_tokens = chunk
         prefilled_before = mlx_seams.num_prompt_tokens_processed(generator)
@@ -176,6 +183,7 @@ class Batch:
             if running is None:
                 continue
             running.generated_token_ids.append(response.token)
+            self.token_digest = next_digest(self.token_digest, response.token)
             self._stats.num_generated_tokens += 1
             text = running.text.add_token(response.token)
             running.outbox.append(TokenDelta([response.token], text))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,6 +26,10 @@ class EngineConfig:
     tick_s: float = 0.010
     default_dtype: str = "float32"
     models_dir: Path | None = None  # where the default model is converted; None: the user cache
+    # Under mlx.launch (engine/distributed.py): split layers rather than heads, and how long a rank
+    # may go unheard (a collective waiting) before the group is given up.
+    pipeline: bool = False
+    rank_timeout_s: float = 120.0
 
     @property
     def num_prefilled_together(self) -> int:
@@ -52,3 +56,4 @@ class EngineStats:
     num_agents_cached: int = 0
     num_evictions: int = 0
     prefill_chunk_tokens: int = 0  # the last tick's prefill budget
+    rank_memory_bytes: list[int] = field(default_factory=list)  # in a group: each rank's MLX active memory

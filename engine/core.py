@@ -1,16 +1,18 @@
-"""The engine thread: it alone touches the model, the batch, the block pool and the MLX stream.
+"""The engine thread's state and what it does each tick: it alone touches the model, the batch,
+the block pool and the MLX stream.
 
-The thread blocks on its inbox while idle; while work is in flight it runs ticks of at least
-`tick_s`: take messages, admit what fits, step the batch once, post every request's new events
-with one `call_soon_threadsafe`. Tells (submit, cancel, shutdown) and asks arrive in one inbox.
+A tick applies what arrived (requests, cancels, commands), admits what fits, steps the batch
+once and posts every request's new events. Where ticks come from is the subclass's part:
+`ServingCore` (engine/serving.py) takes them from its inbox, as a lone process or rank 0 of a
+group; `FollowerCore` (engine/follower.py) receives them from rank 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import queue
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,12 +20,10 @@ from typing import Any
 import mlx.core as mx
 from loguru import logger
 
-from semantic.engine import cpu_attention, mlx_seams
+from semantic.engine import cpu_attention
 from semantic.engine.agent_cache import is_anonymous
 from semantic.engine.cache_tensors import SerializedCache, to_tensors
 from semantic.engine.commands import (
-    Cancel,
-    Drain,
     DropCache,
     EngineAsk,
     Envelope,
@@ -34,25 +34,25 @@ from semantic.engine.commands import (
     NeedsRestore,
     ReferenceGenerate,
     RestoreCache,
-    Shutdown,
     SnapshotCaches,
-    Submit,
     TakeCache,
     UnloadModel,
-    reject,
-    resolve,
 )
 from semantic.engine.config import EngineConfig, EngineStats
 from semantic.engine.errors import EngineError
 from semantic.engine.loading import LoadedModel
+from semantic.engine.lockstep import Lockstep
 from semantic.engine.messages import Finished, FinishReason
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
 from semantic.engine.scheduler import Scheduler
 
+LOAD_TIMEOUT_S = 1800.0  # in a group, a tick that loads a model: the slowest rank reads its weights
+MEMORY_REPORT_S = 2.0  # in a group, how often the ranks report their memory to each other
+
 
 @dataclass(slots=True)
-class _PendingDrain:
+class PendingDrain:
     deadline: float
     reason: str
     envelope: Envelope
@@ -80,28 +80,22 @@ class EngineCore:
         self._scheduler = Scheduler()
         self._runtime: Runtime | None = None
         self._stream: mx.Stream | None = None
-        self._drains: list[_PendingDrain] = []
-
-    def run(self, ready: asyncio.Future[None]) -> None:
-        """The thread's body: load the configured model (resolving `ready`), then serve until shutdown."""
-        try:
-            self._stream = mx.new_stream(mx.default_device())
-            with mx.stream(self._stream), mlx_seams.cpu_attention_on_this_thread():
-                self._load(self.config.model, self.config.model_name)
-        except BaseException as error:
-            logger.exception("model load failed")
-            self._loop.call_soon_threadsafe(reject, ready, error)
-            return
-        self._loop.call_soon_threadsafe(resolve, ready, None)
-        with mx.stream(self._stream), mlx_seams.cpu_attention_on_this_thread():
-            try:
-                self._serve()
-            finally:
-                self._close()
+        self._drains: list[PendingDrain] = []
+        self._next_memory_report = 0.0
 
     def _load(self, source: str, name: str | None) -> LoadedModel:
         assert self._stream is not None, "model loaded off the engine thread: engine bug"
-        runtime = Runtime.load(source, name, self.config, self._stream, self.stats, self._outbox)
+        lockstep = self._lockstep
+        runtime = Runtime.load(
+            source,
+            name,
+            self.config,
+            self._stream,
+            self.stats,
+            self._outbox,
+            lockstep.layout if lockstep is not None else None,
+            lockstep.collectives if lockstep is not None else None,
+        )
         self._runtime, self.loaded = runtime, runtime.loaded
         self.stats.pool_budget_bytes = runtime.pool.budget_bytes
         return runtime.loaded
@@ -125,51 +119,44 @@ class EngineCore:
     def _is_busy(self) -> bool:
         return bool(self._scheduler) or (self._runtime is not None and len(self._runtime.batch) > 0)
 
-    def _serve(self) -> None:
-        stopping = False
-        while not (stopping and not self._is_busy):
-            tick_start = time.perf_counter()
-            stopping |= self._take_messages(block=not self._is_busy)
-            runtime = self._runtime
-            if runtime is not None:
-                self._scheduler.admit(runtime, self.config, self._outbox)
-                if len(runtime.batch):
-                    runtime.batch.step()
-            self._flush()
-            self._check_drains()
-            self._update_stats()
-            if self._is_busy:
-                remaining = self.config.tick_s - (time.perf_counter() - tick_start)
-                if remaining > 0:
-                    stopping |= self._take_messages(block=True, timeout=remaining)
+    @property
+    def _lockstep(self) -> Lockstep | None:
+        """The group this rank runs ticks with: None alone (`ServingCore` and `FollowerCore` say)."""
+        return None
 
-    def _take_messages(self, block: bool, timeout: float | None = None) -> bool:
-        """Handle every queued message (waiting for one if `block`); True once told to stop."""
-        try:
-            message: Message | None = self._inbox.get(block=block, timeout=timeout)
-        except queue.Empty:
-            return False
-        stopping = False
-        while message is not None:
-            match message:
-                case Submit():
-                    self._scheduler.add(message)
-                case Cancel(request_id=request_id):
-                    self._cancel(request_id)
-                case Shutdown():
-                    stopping = True
-                case Envelope(command=Drain(timeout_s=timeout_s, reason=reason)):
-                    self._drains.append(_PendingDrain(time.perf_counter() + timeout_s, reason, message))
-                case Envelope(command=command):
-                    try:
-                        message.answer(self._answer(command))
-                    except Exception as error:
-                        message.fail(error)
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                message = None
-        return stopping
+    def _run_tick(self, now: float, chunk: int, fail_reason: str | None) -> None:
+        """What every rank does once the tick's messages are applied: admit, step, post."""
+        if fail_reason is not None:
+            num_failed = self._fail_everything(EngineError(fail_reason))
+            for drain in self._drains:
+                drain.num_failed += num_failed
+        runtime = self._runtime
+        if runtime is not None:
+            self._scheduler.admit(runtime, self.config, self._outbox, now)
+            if len(runtime.batch):
+                runtime.batch.step(chunk)
+        self._flush()
+        self._check_drains()
+        self._update_stats()
+        self._gather_memory(now)
+
+    def _tick_allowance(self, loads: bool) -> contextlib.AbstractContextManager[None]:
+        """In a group, how long a tick may keep this rank waiting on the others (longer with a load)."""
+        lockstep = self._lockstep
+        if lockstep is None:
+            return contextlib.nullcontext()
+        timeout_s = max(self.config.rank_timeout_s, LOAD_TIMEOUT_S) if loads else self.config.rank_timeout_s
+        return lockstep.collectives.watchdog.allow(
+            "a tick" + (" loading a model" if loads else ""), timeout_s
+        )
+
+    def _gather_memory(self, now: float) -> None:
+        """In a group, each rank's memory for health and metrics, every few seconds of rank 0's clock."""
+        lockstep = self._lockstep
+        if lockstep is None or now < self._next_memory_report:
+            return
+        self._next_memory_report = now + MEMORY_REPORT_S
+        self.stats.rank_memory_bytes = lockstep.collectives.gather(mx.get_active_memory(), "memory report")
 
     def _answer(self, command: EngineAsk[Any]) -> Any:
         runtime = self._runtime
@@ -183,12 +170,7 @@ class EngineCore:
             case NeedsRestore(agent_id=agent_id, fingerprint=fingerprint):
                 return runtime is not None and runtime.needs_restore(agent_id, fingerprint)
             case RestoreCache(cache=cache, fingerprint=fingerprint, cache_salt=salt):
-                if runtime is None or runtime.loaded.fingerprint != fingerprint:
-                    return False  # the model was swapped while the file was read
-                num_blocks = runtime.loaded.spec.num_blocks_for(cache.num_tokens)
-                self._scheduler.make_room(runtime, num_blocks, self._scheduler.queued_agent_ids)
-                runtime.restore(cache, salt)
-                return True
+                return self._restore(cache.agent_id, fingerprint, salt, cache.num_tokens, lambda: cache)
             case TakeCache(agent_id=agent_id):
                 return runtime.take(agent_id) if runtime is not None else None
             case SnapshotCaches():
@@ -205,6 +187,38 @@ class EngineCore:
                 return self._loaded_runtime().reference_generate(prompt_tokens, max_tokens)
             case _:
                 raise TypeError(f"the engine does not answer {type(command).__name__}")
+
+    def _restore(
+        self,
+        agent_id: str,
+        fingerprint: str,
+        salt: str | None,
+        num_tokens: int,
+        read: Callable[[], SerializedCache | None],
+    ) -> bool:
+        """Put a cache read from disk into memory: in a group, only if every rank has its shard."""
+        runtime, lockstep = self._runtime, self._lockstep
+        if runtime is None or runtime.loaded.fingerprint != fingerprint:
+            return False  # the model was swapped while the file was read
+        cache = read()
+        if lockstep is not None and not lockstep.agree(cache is not None, f"restoring {agent_id}"):
+            return False
+        if cache is None:
+            return False
+        num_blocks = runtime.loaded.spec.num_blocks_for(num_tokens)
+        self._scheduler.make_room(runtime, num_blocks, self._scheduler.queued_agent_ids)
+        try:
+            runtime.restore(cache, salt)
+            restored = True
+        except Exception:
+            if lockstep is None:
+                raise
+            logger.exception("could not restore the cache of {}", agent_id)
+            restored = False
+        if lockstep is not None and not lockstep.agree(restored, f"restored {agent_id}"):
+            runtime.store.drop(agent_id)  # some rank could not: none keeps it
+            return False
+        return True
 
     def _loaded_runtime(self) -> Runtime:
         if self._runtime is None:
@@ -226,14 +240,16 @@ class EngineCore:
         num_running = self._runtime.batch.fail_all(error) if self._runtime is not None else 0
         return len(waiting) + num_running
 
+    def _expired_drain(self, now: float) -> str | None:
+        """Why this tick fails what runs and waits: a drain whose timeout passed (None: none did)."""
+        for drain in self._drains:
+            if self._is_busy and now >= drain.deadline:
+                return f"cancelled: {drain.reason}, and the drain timeout passed"
+        return None
+
     def _check_drains(self) -> None:
         if not self._drains:
             return
-        now = time.perf_counter()
-        for drain in self._drains:
-            if self._is_busy and now >= drain.deadline:
-                error = EngineError(f"cancelled: {drain.reason}, and the drain timeout passed")
-                drain.num_failed += self._fail_everything(error)
         if not self._is_busy:
             drains, self._drains = self._drains, []
             self._flush()  # every request's last events reach the loop before the drains' replies

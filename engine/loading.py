@@ -15,6 +15,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from semantic.engine.cache_spec import ModelCacheSpec
 from semantic.engine.default_model import DEFAULT_MODEL_SAMPLING, ensure_default_model
+from semantic.engine.distributed import GroupLayout
 from semantic.engine.registry import DEFAULT_MODEL_SOURCES, model_name_for
 from semantic.engine.sampling import GenerationDefaults
 
@@ -32,6 +33,7 @@ class LoadedModel:
     context_length: int
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     max_chars_per_token: int = 1 << 20  # see longest_token_length
+    layout: GroupLayout | None = None  # this rank's part of a model split over a group
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -94,23 +96,68 @@ def load_model(
     default_dtype: str = "float32",
     name: str | None = None,
     models_dir: Path | None = None,
+    layout: GroupLayout | None = None,
 ) -> LoadedModel:
-    """Load a model with mlx-lm's normal path; call it on the thread that will run the model."""
+    """Load a model with mlx-lm's normal path, or in a group its `sharded_load` (every rank at
+    once); call it on the thread that will run the model."""
     path = resolve_model_path(source, default_dtype, models_dir)
-    model, tokenizer = mlx_lm_load(path)  # type: ignore[misc]
-    model_dir = Path(path) if Path(path).is_dir() else _hub_snapshot_dir(path)
+    model_dir = Path(path) if Path(path).is_dir() else None
+    if layout is None:
+        model, tokenizer = mlx_lm_load(path)  # type: ignore[misc]
+    else:
+        model, tokenizer = load_shard(path, model_dir, layout)
+    model_dir = model_dir or _hub_snapshot_dir(path)
     mx.eval(model.parameters())
+    fingerprint = fingerprint_model(model_dir)
+    if layout is not None:  # a shard's caches hold its heads or layers only: never another layout's
+        fingerprint = hashlib.sha256(f"{fingerprint}:{layout.name}".encode()).hexdigest()[:32]
     return LoadedModel(
         name=name or model_name_for(source),
         source=source,
         model=model,
         tokenizer=tokenizer,
         spec=ModelCacheSpec.from_model(model, block_size),
-        fingerprint=fingerprint_model(model_dir),
+        fingerprint=fingerprint,
+        layout=layout,
         context_length=context_length_of(model_dir, tokenizer),
         generation_defaults=generation_defaults_of(model_dir, is_default_model(source)),
         max_chars_per_token=longest_token_length(tokenizer),
     )
+
+
+def load_shard(path: str, model_dir: Path | None, layout: GroupLayout) -> tuple[Any, Any]:
+    """This rank's part of the model, through mlx-lm's `sharded_load`: heads and MLP columns split
+    over the group (tensor parallel), or its run of layers (`pipeline`, where the model has it)."""
+    from mlx_lm.utils import sharded_load
+
+    if layout.parallel == "tensor" and model_dir is not None:
+        check_heads_divide(model_dir, layout.size)
+    group = mx.distributed.init()
+    pipeline = group if layout.parallel == "pipeline" else None
+    tensor = group if layout.parallel == "tensor" else None
+    model, tokenizer = sharded_load(path, pipeline_group=pipeline, tensor_group=tensor)
+    return model, tokenizer
+
+
+def check_heads_divide(model_dir: Path, num_ranks: int) -> None:
+    """Tensor parallelism splits attention heads, KV heads and MLP columns evenly; mlx-lm's `shard`
+    would silently floor a KV head count that does not divide, so refuse it here, by name."""
+    config: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        config = json.loads((model_dir / "config.json").read_text())
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    heads = config.get("num_attention_heads")
+    counts = {
+        "attention heads": heads,
+        "KV heads": config.get("num_key_value_heads", heads),
+        "MLP columns": config.get("intermediate_size"),
+    }
+    for what, count in counts.items():
+        if isinstance(count, int) and count % num_ranks:
+            raise ValueError(
+                f"the model has {count} {what}, which {num_ranks} ranks cannot split evenly: use a "
+                f"group size that divides {count}, or --pipeline where the model supports it"
+            )
 
 
 def longest_token_length(tokenizer: Any) -> int:

@@ -72,7 +72,7 @@ Event = PromptStarted | PromptProgress | TokenDelta | Finished | BaseException
 class EventChannel:
     """Where the engine posts one request's events; `done` resolves with the last one."""
 
-    __slots__ = ("done", "queue")
+    __slots__ = ("__weakref__", "done", "queue")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()

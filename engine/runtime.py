@@ -21,6 +21,7 @@ from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_tensors import SerializedCache, from_tensors, to_tensors
 from semantic.engine.commands import CachedAgent, PoolReport
 from semantic.engine.config import EngineConfig, EngineStats
+from semantic.engine.distributed import Collectives, GroupLayout
 from semantic.engine.layer_caches import BlockCodec
 from semantic.engine.loading import LoadedModel, load_model
 from semantic.engine.outbox import Outbox
@@ -42,17 +43,23 @@ class Runtime:
         stream: mx.Stream,
         stats: EngineStats,
         outbox: Outbox,
+        layout: GroupLayout | None = None,
+        collectives: Collectives | None = None,
     ) -> Runtime:
-        """Load a model and check mlx-lm's internals we rely on; call on the engine thread."""
+        """Load a model and check mlx-lm's internals we rely on; call on the engine thread. In a
+        group every rank calls this in the same tick: each loads its shard, and the pool holds as
+        many blocks on every rank (the fewest any rank's budget allows)."""
         mlx_seams.check_version()
-        loaded = load_model(source, config.block_size, config.default_dtype, name, config.models_dir)
+        loaded = load_model(source, config.block_size, config.default_dtype, name, config.models_dir, layout)
         mlx_seams.check_seams(loaded.model)
         mlx_seams.install_cpu_attention()
         spec = loaded.spec
         codec = BlockCodec.for_spec(spec, config.idle_kv_bits)
-        pool = BlockPool.from_budget(
-            config.cache_budget_mb * 2**20, codec.bytes_per_block(spec), spec.block_size
-        )
+        budget_bytes = config.cache_budget_mb * 2**20
+        if collectives is not None:
+            num_blocks = min(collectives.gather(budget_bytes // codec.bytes_per_block(spec), "pool size"))
+            budget_bytes = num_blocks * codec.bytes_per_block(spec)
+        pool = BlockPool.from_budget(budget_bytes, codec.bytes_per_block(spec), spec.block_size)
         model = loaded.model
         store = AgentCacheStore(spec, pool, lambda: make_prompt_cache(model), codec)
         batch = Batch(loaded, pool, store, config, stream, stats, outbox)

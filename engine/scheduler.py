@@ -45,8 +45,9 @@ class Scheduler:
         self.waiting.clear()
         return waiting
 
-    def admit(self, runtime: Runtime, config: EngineConfig, outbox: Outbox) -> None:
-        """Insert waiting requests into the batch while slots and blocks allow; post refusals."""
+    def admit(self, runtime: Runtime, config: EngineConfig, outbox: Outbox, now: float | None = None) -> None:
+        """Insert waiting requests into the batch while slots and blocks allow; post refusals.
+        `now` (monotonic seconds) decides which requests waited too long; in a group, rank 0's."""
         batch = runtime.batch
         slots = min(config.max_batch_size - len(batch), config.num_prefilled_together)
         # Holding prompts while a batch prefills also lets the order below pick among all that arrived.
@@ -54,7 +55,9 @@ class Scheduler:
             return
         pool = runtime.pool
         spec = runtime.loaded.spec
-        for submit in self._admission_order(runtime.store, config.shortest_first_max_wait_s):
+        for submit in self._admission_order(
+            runtime.store, config.shortest_first_max_wait_s, time.monotonic() if now is None else now
+        ):
             if slots <= 0:
                 return
             request = submit.request
@@ -127,11 +130,10 @@ class Scheduler:
         block_size = store.spec.block_size
         return store.num_reusable(agent.agent_id, request.prompt_tokens, request.cache_salt) // block_size
 
-    def _admission_order(self, store: AgentCacheStore, max_wait_s: float) -> list[Submit]:
+    def _admission_order(self, store: AgentCacheStore, max_wait_s: float, now: float) -> list[Submit]:
         """Waiting requests by the tokens they still have to prefill, fewest first, so a returning
         agent's short turn is not queued behind cold prompts; past `max_wait_s` a request goes
         ahead in arrival order, so none waits forever."""
-        now = time.monotonic()
         overdue = [s for s in self.waiting if now - s.queued_at >= max_wait_s]
         rest = [s for s in self.waiting if now - s.queued_at < max_wait_s]
 

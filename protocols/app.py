@@ -43,9 +43,11 @@ async def health_ready(request: web.Request) -> web.Response:
         target = system.models.transition_target
         reason = f"switching the model to {target}" if target else "unloading the model"
         return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+    group = system.engine.group_report()
+    extra = {"group": group} if group is not None else {}
     if system.models.entry is None:  # unloaded while idle: the next request loads it again
-        return web.json_response({"status": "ok", "model": None, "loaded": False})
-    return web.json_response({"status": "ok", "model": system.models.entry.name, "loaded": True})
+        return web.json_response({"status": "ok", "model": None, "loaded": False, **extra})
+    return web.json_response({"status": "ok", "model": system.models.entry.name, "loaded": True, **extra})
 
 
 async def list_models(request: web.Request) -> web.Response:

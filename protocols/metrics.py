@@ -108,6 +108,17 @@ class _SystemCollector(Collector):
             "Agents with an actor or a cache in memory",
             self.system.num_active_agents,
         )
+        group = self.system.engine.group_report()
+        if group is not None:
+            yield GaugeMetricFamily(
+                "semantic_group_size", "Ranks the model is split over", group["world_size"]
+            )
+            memory = GaugeMetricFamily(
+                "semantic_rank_active_memory_bytes", "MLX active memory of each rank", labels=["rank"]
+            )
+            for rank, num_bytes in enumerate(group["rank_active_memory_bytes"]):
+                memory.add_metric([str(rank)], num_bytes)
+            yield memory
         yield CounterMetricFamily(
             "semantic_evictions", "Agent caches evicted from memory", stats.num_evictions
         )

@@ -271,6 +271,11 @@ def model_list(request: web.Request) -> dict[str, Any]:
         }
         for entry in models.registry.entries
     ]
+    group = models.engine.group_report()
+    if group is not None:
+        for model in data:
+            if model["loaded"]:
+                model["group"] = group
     return {
         "object": "list",
         "data": data,

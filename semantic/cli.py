@@ -56,6 +56,11 @@ MODEL_FLAGS = [
         "engine.shortest_first_max_wait_s",
         "queued prompts go fewest uncached tokens first; past this wait, in arrival order",
     ),
+    (
+        "--rank-timeout-s",
+        "engine.rank_timeout_s",
+        "under mlx.launch: a rank silent this long stops the group with an error",
+    ),
 ]
 SERVER_FLAGS = [
     ("--host", "server.host", "address to bind (non-loopback needs --allow-remote and an API key)"),
@@ -116,6 +121,13 @@ def _settings_args(parser: argparse.ArgumentParser, server: bool) -> None:
         action="store_true",
         default=argparse.SUPPRESS,
         help="allow binding a non-loopback --host (an API key is then required)",
+    )
+    parser.add_argument(
+        "--pipeline",
+        dest="setting:engine.pipeline",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="under mlx.launch: split the model's layers over the ranks instead of its heads",
     )
     parser.add_argument(
         "--alias",
@@ -191,6 +203,8 @@ def _system_config(settings: Settings) -> SystemConfig:
         prefill_step_size=settings.engine.prefill_step_size or None,
         prefill_stall_ratio=settings.engine.prefill_stall_ratio,
         shortest_first_max_wait_s=settings.engine.shortest_first_max_wait_s,
+        pipeline=settings.engine.pipeline,
+        rank_timeout_s=settings.engine.rank_timeout_s,
     )
     return SystemConfig(
         engine=engine,
@@ -290,9 +304,15 @@ def serve(args: argparse.Namespace) -> None:
 
     loaded = load(args)
     settings = loaded.settings
-    _check_bind(settings)
+    rank = _group_rank()
+    if rank == 0:
+        _check_bind(settings)
     configure_logging(settings.logging)
     _ensure_default_model(settings)
+    if rank > 0:  # under mlx.launch: rank 0 serves, this rank runs its shard of every tick
+        from semantic.server import run_follower
+
+        _exit_now(run_follower(_system_config(settings)))
     try:
         import uvloop
 
@@ -301,6 +321,14 @@ def serve(args: argparse.Namespace) -> None:
         pass
     code = run_server(_system_config(settings), settings)
     _exit_now(code)
+
+
+def _group_rank() -> int:
+    """This process's rank in the group mlx.launch started (0 when it runs alone)."""
+    from semantic.engine.distributed import launched_group
+
+    group = launched_group()
+    return group.rank() if group is not None else 0
 
 
 def _exit_now(code: int) -> None:

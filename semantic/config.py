@@ -66,6 +66,10 @@ class EngineSection(_Section):
     prefill_step_size: Annotated[int, Meta(ge=0, le=65536)] = 0  # 0: 512 on the CPU, 2048 on a GPU
     prefill_stall_ratio: Annotated[float, Meta(ge=0, le=100)] = 0.0  # 0: whole chunks (off)
     shortest_first_max_wait_s: Annotated[float, Meta(ge=0, le=86400)] = 60.0
+    # Under mlx.launch: split the model's layers over the group instead of its heads (where the
+    # model supports it), and how long a silent rank is waited for before the group stops.
+    pipeline: bool = False
+    rank_timeout_s: Annotated[float, Meta(ge=1, le=86400)] = 120.0
 
 
 class LimitsSection(_Section):

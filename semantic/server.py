@@ -1,9 +1,12 @@
-"""Run the HTTP server until SIGTERM/SIGINT, then shut down gracefully.
+"""The processes: rank 0 (or a lone process) serves HTTP until SIGTERM/SIGINT and shuts down
+gracefully; under mlx.launch every other rank follows rank 0's engine (`run_follower`).
 
 On the first signal: new requests get 503 with Retry-After, running ones get up to
 `server.shutdown_timeout_s` to finish and are then cancelled with an error, every hot cache is
 flushed to disk, and the process exits 0. A second signal exits at once; cache files already on
-disk stay valid (each is written atomically).
+disk stay valid (each is written atomically). In a group the followers ignore the first signal
+(rank 0's shutdown, which they follow, flushes their shards too); when a rank is lost every
+process stops with status 3 (`EXIT_GROUP_LOST`) after failing what ran.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import os
 import signal
 import time
+from dataclasses import replace
 
 from aiohttp import web
 from loguru import logger
@@ -19,8 +23,21 @@ from loguru import logger
 from semantic.actors.system import SystemConfig
 from semantic.config import Settings
 from semantic.engine.commands import Drain
+from semantic.engine.config import EngineStats
+from semantic.engine.distributed import (
+    EXIT_GROUP_LOST,
+    Collectives,
+    GroupLostError,
+    heartbeat_s,
+    launched_group,
+    layout_of,
+)
+from semantic.engine.follower import FollowerCore
+from semantic.engine.lockstep import Follower, GroupDivergedError
+from semantic.engine.registry import ModelEntry
 from semantic.protocols.app import create_app
 from semantic.protocols.common import GATE_KEY, SYSTEM_KEY
+from semantic.storage.shard_files import ShardFiles
 
 HANDLER_GRACE_S = 5.0  # after the engine is drained, for handlers to write their last events
 
@@ -46,12 +63,24 @@ async def serve_until_signalled(config: SystemConfig, settings: Settings) -> int
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    await stop.wait()
-
     gate, system = app[GATE_KEY], app[SYSTEM_KEY]
+    group_lost = system.engine.group_lost
+    waits = [asyncio.ensure_future(stop.wait())]
+    if group_lost is not None:
+        waits.append(asyncio.ensure_future(group_lost.wait()))
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
+    if group_lost is not None and group_lost.is_set():
+        logger.error("a rank of the group was lost: stopping (cache files already on disk stay valid)")
+        gate.is_shutting_down = True
+        await asyncio.sleep(HANDLER_GRACE_S / 5)  # handlers write the error events the engine posted
+        await site.stop()
+        return EXIT_GROUP_LOST
+
     gate.is_shutting_down = True
     timeout_s = settings.server.shutdown_timeout_s
-    if system.engine.loaded is not None:
+    if system.engine.loaded is not None and system.engine.is_running:
         num_cancelled = await system.engine.ask(Drain(timeout_s, "the server is shutting down"))
         if num_cancelled:
             logger.warning("cancelled {} requests still running after {:g} s", num_cancelled, timeout_s)
@@ -65,3 +94,49 @@ async def serve_until_signalled(config: SystemConfig, settings: Settings) -> int
 
 def run_server(config: SystemConfig, settings: Settings) -> int:
     return asyncio.run(serve_until_signalled(config, settings))
+
+
+def run_follower(config: SystemConfig) -> int:
+    """A rank other than 0: load its shard with rank 0 and run rank 0's ticks until it shuts down."""
+    group = launched_group()
+    assert group is not None and group.rank() > 0, "run_follower outside a group: caller bug"
+    engine_config = replace(
+        config.engine, model_name=ModelEntry.from_source(config.engine.model, config.engine.model_name).name
+    )
+    layout = layout_of(group, engine_config.pipeline)
+    collectives = Collectives(group, engine_config.rank_timeout_s)
+    files = ShardFiles(config.cache_dir, layout)
+    follower = Follower(collectives, layout, files, heartbeat_s(engine_config.rank_timeout_s))
+    core = FollowerCore(engine_config, EngineStats(), follower)
+    _follow_signals(layout.rank)
+    logger.info(
+        "rank {} of {} ({} parallel, {}): following rank 0",
+        layout.rank,
+        layout.size,
+        layout.parallel,
+        layout.backend,
+    )
+    try:
+        core.follow()
+    except (GroupLostError, GroupDivergedError) as error:
+        logger.error("rank {}: {}; stopping (cache files already on disk stay valid)", layout.rank, error)
+        return EXIT_GROUP_LOST
+    logger.info("rank {}: rank 0 shut the group down", layout.rank)
+    return 0
+
+
+def _follow_signals(rank: int) -> None:
+    """The first SIGTERM/SIGINT is left to rank 0 (mlx.launch sends it to every rank): its shutdown
+    flushes this rank's shards too. A second one exits at once."""
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        if received:
+            logger.warning("rank {}: second signal, exiting now", rank)
+            logger.complete()
+            os._exit(128 + signum)
+        received.append(signum)
+        logger.info("rank {}: {}: following rank 0's shutdown", rank, signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)

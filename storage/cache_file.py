@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.loading import LoadedModel
 
 FORMAT_VERSION = "1"
 
@@ -35,6 +36,19 @@ class CacheIdentity:
     block_size: int
     spec: dict[str, Any]
     vocab_size: int = 0  # token ids read from disk must be below it (0: unchecked)
+    layout: str = ""  # a rank's part of a model split over a group ("" for a single process)
+
+
+def identity_of(loaded: LoadedModel) -> CacheIdentity:
+    """What a cache file of `loaded` must state to be read back (its rank's part, in a group)."""
+    return CacheIdentity(
+        loaded.name,
+        loaded.fingerprint,
+        loaded.spec.block_size,
+        loaded.spec.to_dict(),
+        loaded.vocab_size,
+        loaded.layout.shard if loaded.layout is not None else "",
+    )
 
 
 def _checksum(tensors: dict[str, np.ndarray]) -> str:
@@ -75,6 +89,7 @@ def write_cache_file(path: Path, cache: SerializedCache, identity: CacheIdentity
         "cache_spec": json.dumps(identity.spec, sort_keys=True),
         "sliding_meta": json.dumps(cache.sliding_meta),
         "num_tokens": str(cache.num_tokens),
+        "layout": identity.layout,
         "checksum": _checksum(cache.tensors),
     }
     replace_atomically(path, lambda tmp: save_file(cache.tensors, str(tmp), metadata=metadata))
@@ -111,6 +126,12 @@ def read_cache_file(path: Path, identity: CacheIdentity, agent_id: str | None = 
             f"written by model {metadata.get('model_name')!r} ({metadata.get('model_fingerprint')}), "
             f"not {identity.model_name!r} ({identity.fingerprint})"
         )
+    if metadata.get("layout", "") != identity.layout:
+        written_by, expected = (
+            metadata.get("layout") or "a single process",
+            identity.layout or "a single process",
+        )
+        raise CacheFileError(f"written by {written_by}, not {expected}")
     if json.loads(metadata.get("cache_spec", "null")) != identity.spec:
         raise CacheFileError("cache spec differs from the loaded model's")
     if metadata.get("checksum") != _checksum(tensors):

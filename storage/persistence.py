@@ -243,7 +243,7 @@ class PersistenceActor:
                 entry.has_cache, entry.num_cached_tokens = False, 0
             if not (entry.has_cache or entry.has_conversation):
                 del self._index[agent_id]
-        if await self._io(_move_aside, path, self.quarantine_dir):
+        if await self._io(move_aside, path, self.quarantine_dir):
             self.num_quarantined += 1
 
     def _scan(self) -> dict[AgentId, DiskEntry]:
@@ -278,7 +278,7 @@ def _unlink(*paths: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _move_aside(path: Path, quarantine_dir: Path) -> bool:
+def move_aside(path: Path, quarantine_dir: Path) -> bool:
     quarantine_dir.mkdir(parents=True, exist_ok=True)
     target = quarantine_dir / f"{path.name}.{int(time.time() * 1000)}"
     try:

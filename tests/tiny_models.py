@@ -28,6 +28,20 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
     },
+    # Llama, like the default model, with head counts that 2 and 3 ranks divide (tensor parallel).
+    "llama": {
+        "model_type": "llama",
+        "hidden_size": 96,
+        "num_hidden_layers": 3,
+        "intermediate_size": 192,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 6,
+        "vocab_size": 49152,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,  # tied, its greedy replies repeat one token
+    },
     "qwen2": {
         "model_type": "qwen2",
         "hidden_size": 64,

@@ -1,0 +1,117 @@
+"""The two parts an engine plays in a group: rank 0 leads each tick, every other rank follows it.
+
+`Leader.share` runs on rank 0's engine thread at the start of each tick, before the tick's
+messages are applied; `Follower.receive` is the other ranks' matching call. Both then run the
+same tick (`engine/core.py`). While rank 0 idles it still shares an empty tick every
+`heartbeat_s`, so a follower that hears nothing for the rank timeout knows rank 0 is gone.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, replace
+from typing import Any, Protocol
+
+from semantic.engine import tick_plan
+from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.commands import Message
+from semantic.engine.config import EngineConfig
+from semantic.engine.distributed import Collectives, GroupLayout
+from semantic.engine.loading import LoadedModel
+from semantic.engine.tick_plan import Tick, TickPlan
+
+DIGEST_MODULUS = (1 << 61) - 1  # a Mersenne prime: the running token digest stays an int64
+
+
+class GroupDivergedError(RuntimeError):
+    """A follower generated other tokens than rank 0: its shards no longer match; it must stop."""
+
+
+def next_digest(digest: int, token: int) -> int:
+    return (digest * 1_000_003 + token + 1) % DIGEST_MODULUS
+
+
+def clock_now() -> float:
+    """Rank 0's clock as it travels: whole microseconds, so every rank computes the same float."""
+    return round(time.monotonic() * 1_000_000) / 1_000_000
+
+
+class ShardFiles(Protocol):
+    """A follower's own cache files (its shard of each agent's cache): `semantic.storage.shard_files`."""
+
+    def save(self, caches: list[SerializedCache], loaded: LoadedModel) -> None: ...
+
+    def load(self, agent_id: str, loaded: LoadedModel) -> SerializedCache | None: ...
+
+    def delete(self, agent_id: str, loaded: LoadedModel) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Leader:
+    def __init__(self, collectives: Collectives, layout: GroupLayout, heartbeat_s: float) -> None:
+        self.collectives = collectives
+        self.layout = layout
+        self.heartbeat_s = heartbeat_s
+        self._shared_config: EngineConfig | None = None
+
+    def share(
+        self,
+        messages: list[Message],
+        now: float,
+        chunk: int,
+        token_digest: int,
+        fail_reason: str | None,
+        config: EngineConfig,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Tell the other ranks what this tick does; raises GroupLostError if one is gone."""
+        ops = [op for op in map(tick_plan.op_for, messages) if op is not None]
+        plan = TickPlan(ops, fail_reason, config_dict(config) if config is not self._shared_config else None)
+        self._shared_config = config
+        data = b"" if tick_plan.is_empty(plan) else tick_plan.encode(plan)
+        header = [len(data), chunk, round(now * 1_000_000), token_digest]
+        self.collectives.share_header(header, tick_plan.HEADER_LENGTH, timeout_s)
+        if data:
+            self.collectives.share_bytes(data, len(data))
+
+    def agree(self, ok: bool, what: str) -> bool:
+        return self.collectives.agree(ok, what)
+
+
+class Follower:
+    def __init__(
+        self, collectives: Collectives, layout: GroupLayout, files: ShardFiles, heartbeat_s: float
+    ) -> None:
+        self.collectives = collectives
+        self.layout = layout
+        self.files = files
+        # Rank 0 may be idle (heartbeats come every `heartbeat_s`) or loading a model; both count.
+        self.heartbeat_s = heartbeat_s
+
+    def receive(self, timeout_s: float | None = None) -> Tick:
+        num_bytes, chunk, now_us, digest = self.collectives.share_header(
+            None, tick_plan.HEADER_LENGTH, timeout_s
+        )
+        plan = tick_plan.decode(self.collectives.share_bytes(None, num_bytes)) if num_bytes else TickPlan()
+        return Tick(now=now_us / 1_000_000, chunk=chunk, token_digest=digest, plan=plan)
+
+    def agree(self, ok: bool, what: str) -> bool:
+        return self.collectives.agree(ok, what)
+
+
+# Each rank keeps its own paths and group settings; the rest must match for the ranks to agree.
+_LOCAL_FIELDS = {"models_dir", "pipeline", "rank_timeout_s"}
+
+
+def config_dict(config: EngineConfig) -> dict[str, Any]:
+    return {k: v for k, v in asdict(config).items() if k not in _LOCAL_FIELDS}
+
+
+def config_from(values: dict[str, Any], own: EngineConfig) -> EngineConfig:
+    """Rank 0's settings, on this rank's own paths and group settings."""
+    known = set(config_dict(own))
+    return replace(own, **{k: v for k, v in values.items() if k in known})
+
+
+Lockstep = Leader | Follower

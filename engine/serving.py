@@ -1,0 +1,165 @@
+"""The engine thread of a lone process or of rank 0: it takes messages from its inbox and runs ticks.
+
+The thread blocks on its inbox while idle; while work is in flight it runs ticks of at least
+`tick_s`: take messages, admit what fits, step the batch once, post every request's new events
+with one `call_soon_threadsafe`. Tells (submit, cancel, shutdown) and asks arrive in one inbox.
+As rank 0 of a group it first shares each tick (`engine/lockstep.py`), and while idle it still
+shares an empty one every heartbeat; a lost rank fails every request and stops the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+from loguru import logger
+
+from semantic.engine import mlx_seams
+from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.commands import (
+    Cancel,
+    Drain,
+    Envelope,
+    LoadModel,
+    Message,
+    Shutdown,
+    Submit,
+    reject,
+    resolve,
+)
+from semantic.engine.config import EngineConfig, EngineStats
+from semantic.engine.core import EngineCore, PendingDrain
+from semantic.engine.distributed import GroupLostError
+from semantic.engine.errors import EngineError
+from semantic.engine.lockstep import Leader, Lockstep, clock_now
+
+
+class ServingCore(EngineCore):
+    def __init__(
+        self,
+        config: EngineConfig,
+        stats: EngineStats,
+        inbox: queue.SimpleQueue[Message],
+        loop: asyncio.AbstractEventLoop,
+        on_evicted: Callable[[list[SerializedCache]], None] | None,
+        leader: Leader | None = None,
+        on_group_lost: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        super().__init__(config, stats, inbox, loop, on_evicted)
+        self._pending: list[Message] = []  # taken while a tick waited out its length; applied next tick
+        self._leader = leader  # rank 0 of a group: shares each tick before running it
+        self._on_group_lost = on_group_lost
+
+    @property
+    def _lockstep(self) -> Lockstep | None:
+        return self._leader
+
+    def run(self, ready: asyncio.Future[None]) -> None:
+        """The thread's body: load the configured model (resolving `ready`), then serve until shutdown."""
+        try:
+            self._stream = mx.new_stream(mx.default_device())
+            with (
+                mx.stream(self._stream),
+                mlx_seams.cpu_attention_on_this_thread(),
+                self._tick_allowance(True),
+            ):
+                self._load(self.config.model, self.config.model_name)
+        except BaseException as error:
+            logger.exception("model load failed")
+            self._loop.call_soon_threadsafe(reject, ready, error)
+            return
+        self._loop.call_soon_threadsafe(resolve, ready, None)
+        with mx.stream(self._stream), mlx_seams.cpu_attention_on_this_thread():
+            try:
+                self._serve()
+            finally:
+                self._close()
+
+    def _serve(self) -> None:
+        stopping = False
+        leader = self._leader
+        while not (stopping and not self._is_busy):
+            tick_start = time.perf_counter()
+            idle = not self._is_busy and not self._pending
+            messages = self._pending + self._take_messages(
+                block=idle, timeout=leader.heartbeat_s if leader is not None and idle else None
+            )
+            self._pending = []
+            now = clock_now()
+            runtime = self._runtime
+            chunk = runtime.batch.next_chunk() if runtime is not None else 0
+            fail_reason = self._expired_drain(now)
+            loads = any(isinstance(m, Envelope) and isinstance(m.command, LoadModel) for m in messages)
+            with self._tick_allowance(loads):
+                try:
+                    if leader is not None:
+                        digest = runtime.batch.token_digest if runtime is not None else 0
+                        leader.share(messages, now, chunk, digest, fail_reason, self.config)
+                except Exception as error:  # the others cannot run this tick: the group cannot go on
+                    self._lose_group(error, messages)
+                    return
+                try:
+                    stopping |= self._apply(messages)
+                    self._run_tick(now, chunk, fail_reason)
+                except GroupLostError as error:
+                    self._lose_group(error, messages)
+                    return
+            if self._is_busy:
+                remaining = self.config.tick_s - (time.perf_counter() - tick_start)
+                if remaining > 0:
+                    self._pending = self._take_messages(block=True, timeout=remaining)
+
+    def _lose_group(self, error: Exception, messages: list[Message]) -> None:
+        """A rank is gone: fail every request and ask (those taken this tick too) and stop serving."""
+        logger.opt(exception=error).error(
+            "the group cannot go on ({}); failing every request and stopping", error
+        )
+        lost = EngineError(f"a rank of the model's group stopped: {error}")
+        self._fail_everything(lost)
+        for message in messages:
+            match message:
+                case Submit(events=events):
+                    self._outbox.post(events, lost)
+                case Envelope():
+                    message.fail(lost)
+        self._outbox.flush()
+        for drain in self._drains:
+            drain.envelope.answer(drain.num_failed)
+        self._drains = []
+        if self._on_group_lost is not None:
+            self._loop.call_soon_threadsafe(self._on_group_lost, error)
+
+    def _take_messages(self, block: bool, timeout: float | None = None) -> list[Message]:
+        """Every queued message (waiting up to `timeout` for one if `block`)."""
+        messages: list[Message] = []
+        try:
+            messages.append(self._inbox.get(block=block, timeout=timeout))
+            while True:
+                messages.append(self._inbox.get_nowait())
+        except queue.Empty:
+            return messages
+
+    def _apply(self, messages: list[Message]) -> bool:
+        """Handle the tick's messages in order; True once told to stop."""
+        stopping = False
+        for message in messages:
+            match message:
+                case Submit():
+                    self._scheduler.add(message)
+                case Cancel(request_id=request_id):
+                    self._cancel(request_id)
+                case Shutdown():
+                    stopping = True
+                case Envelope(command=Drain(timeout_s=timeout_s, reason=reason)):
+                    self._drains.append(PendingDrain(time.monotonic() + timeout_s, reason, message))
+                case Envelope(command=command):
+                    try:
+                        message.answer(self._answer(command))
+                    except GroupLostError:
+                        raise
+                    except Exception as error:
+                        message.fail(error)
+        return stopping

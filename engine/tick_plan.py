@@ -1,0 +1,234 @@
+"""What rank 0's engine shares before each tick so every rank runs the same tick.
+
+Every engine decision follows from its state, the messages it takes, and three things that
+differ between processes: the clock (admission order), the prefill chunk (sized from measured
+times) and random draws (sampling). So rank 0 shares the clock and chunk it used, gives every
+sampled request a seed, and sends the messages that change engine state as named operations,
+in the order it applies them. Asks that only read state (`NeedsRestore`, `ListCaches`,
+`InspectPool`) and drains stay on rank 0; a drain's timeout reaches the others as `fail_reason`.
+
+A tick with no operations costs one small collective (the header); its plan is not encoded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from dataclasses import replace
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from semantic.engine.commands import Cancel as CancelMessage
+from semantic.engine.commands import (
+    DropCache,
+    Envelope,
+    LoadModel,
+    Message,
+    ReferenceGenerate,
+    RestoreCache,
+    Shutdown,
+    SnapshotCaches,
+    Submit,
+    TakeCache,
+    UnloadModel,
+)
+from semantic.engine.messages import GenerationRequest
+from semantic.engine.sampling import SamplingParams
+
+HEADER_LENGTH = 4  # plan bytes, prefill chunk, rank 0's clock (µs), digest of the tokens generated so far
+
+
+class SubmitOp(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_tokens: list[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop: list[str]
+    seed: int | None
+    queued_at: float
+    agent_id: str | None = None
+    cache_tier_hint: str | None = None
+    model_fingerprint: str | None = None
+    cache_salt: str | None = None
+    grammar: str | None = None
+    grammar_trigger: str | None = None
+
+
+class CancelOp(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class ShutdownOp(msgspec.Struct, tag=True):
+    pass
+
+
+class LoadOp(msgspec.Struct, tag=True):
+    source: str
+    name: str | None
+
+
+class UnloadOp(msgspec.Struct, tag=True):
+    pass
+
+
+class RestoreOp(msgspec.Struct, tag=True):
+    """Each rank reads its own shard of the agent's cache; it must hold exactly these tokens."""
+
+    agent_id: str
+    fingerprint: str
+    cache_salt: str | None
+    num_tokens: int
+    tokens_digest: str
+
+
+class TakeOp(msgspec.Struct, tag=True):
+    agent_id: str
+
+
+class SnapshotOp(msgspec.Struct, tag=True):
+    pass
+
+
+class DropOp(msgspec.Struct, tag=True):
+    agent_id: str
+
+
+class ReferenceOp(msgspec.Struct, tag=True):
+    prompt_tokens: list[int]
+    max_tokens: int
+
+
+Op = (
+    SubmitOp
+    | CancelOp
+    | ShutdownOp
+    | LoadOp
+    | UnloadOp
+    | RestoreOp
+    | TakeOp
+    | SnapshotOp
+    | DropOp
+    | ReferenceOp
+)
+
+
+class TickPlan(msgspec.Struct):
+    ops: list[Op] = []
+    fail_reason: str | None = None  # every rank fails what runs and waits, with this reason
+    config: dict[str, Any] | None = None  # the engine settings, when rank 0's changed
+
+
+class Tick(msgspec.Struct):
+    """A tick as every rank runs it."""
+
+    now: float  # rank 0's monotonic clock
+    chunk: int  # prompt tokens the batch may prefill this tick
+    token_digest: int  # rank 0's digest of every token generated before this tick
+    plan: TickPlan
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(TickPlan)
+
+
+def encode(plan: TickPlan) -> bytes:
+    return _encoder.encode(plan)
+
+
+def decode(data: bytes) -> TickPlan:
+    return _decoder.decode(data)
+
+
+def is_empty(plan: TickPlan) -> bool:
+    return not plan.ops and plan.fail_reason is None and plan.config is None
+
+
+def tokens_digest(tokens: list[int] | np.ndarray) -> str:
+    return hashlib.sha256(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()
+
+
+def op_for(message: Message) -> Op | None:
+    """The operation the other ranks apply for one of rank 0's messages (None: rank 0's alone).
+
+    A sampled request without a seed gets one here, on rank 0's own request too, so every rank
+    draws the same tokens."""
+    match message:
+        case Submit(request=request, queued_at=queued_at):
+            return _submit_op(request, queued_at)
+        case CancelMessage(request_id=request_id):
+            return CancelOp(request_id)
+        case Shutdown():
+            return ShutdownOp()
+        case Envelope(command=command):
+            match command:
+                case LoadModel(source=source, name=name):
+                    return LoadOp(source, name)
+                case UnloadModel():
+                    return UnloadOp()
+                case RestoreCache(cache=cache, fingerprint=fingerprint, cache_salt=salt):
+                    digest = tokens_digest(cache.tensors["tokens"])
+                    return RestoreOp(str(cache.agent_id), fingerprint, _str(salt), cache.num_tokens, digest)
+                case TakeCache(agent_id=agent_id):
+                    return TakeOp(str(agent_id))
+                case SnapshotCaches():
+                    return SnapshotOp()
+                case DropCache(agent_id=agent_id):
+                    return DropOp(str(agent_id))
+                case ReferenceGenerate(prompt_tokens=prompt_tokens, max_tokens=max_tokens):
+                    return ReferenceOp(list(prompt_tokens), max_tokens)
+    return None
+
+
+def _submit_op(request: GenerationRequest, queued_at: float) -> SubmitOp:
+    sampling = request.sampling
+    if not sampling.is_greedy and sampling.seed is None:
+        sampling = request.sampling = replace(sampling, seed=secrets.randbits(63))
+    assert sampling.temperature is not None and sampling.top_p is not None and sampling.top_k is not None
+    grammar = request.grammar
+    return SubmitOp(
+        request_id=str(request.request_id),
+        prompt_tokens=list(request.prompt_tokens),
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        max_tokens=sampling.max_tokens,
+        stop=list(sampling.stop),
+        seed=sampling.seed,
+        queued_at=queued_at,
+        agent_id=_str(request.agent_id),
+        cache_tier_hint=request.cache_tier_hint,
+        model_fingerprint=request.model_fingerprint,
+        cache_salt=_str(request.cache_salt),
+        grammar=grammar.grammar if grammar is not None else None,
+        grammar_trigger=grammar.trigger if grammar is not None else None,
+    )
+
+
+def _str(value: str | None) -> str | None:
+    """Ids arrive as `AgentId`s and the like (str subclasses): plain strings travel."""
+    return None if value is None else str(value)
+
+
+def request_of(op: SubmitOp) -> GenerationRequest:
+    """The request a follower runs for rank 0's (its grammar is compiled by the follower's engine)."""
+    sampling = SamplingParams(
+        temperature=op.temperature,
+        top_p=op.top_p,
+        top_k=op.top_k,
+        max_tokens=op.max_tokens,
+        stop=tuple(op.stop),
+        seed=op.seed,
+    )
+    return GenerationRequest(
+        request_id=op.request_id,
+        prompt_tokens=op.prompt_tokens,
+        sampling=sampling,
+        agent_id=op.agent_id,
+        cache_tier_hint=op.cache_tier_hint,
+        model_fingerprint=op.model_fingerprint,
+        cache_salt=op.cache_salt,
+    )

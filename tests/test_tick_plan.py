@@ -1,0 +1,185 @@
+"""What rank 0 shares with the other ranks of a group, checked without a group."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from semantic.engine import tick_plan
+from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.commands import (
+    Cancel,
+    DropCache,
+    Envelope,
+    InspectPool,
+    ListCaches,
+    RestoreCache,
+    Submit,
+)
+from semantic.engine.config import EngineConfig
+from semantic.engine.distributed import EXIT_GROUP_LOST, backend_name
+from semantic.engine.loading import check_heads_divide
+from semantic.engine.lockstep import DIGEST_MODULUS, clock_now, config_dict, config_from, next_digest
+from semantic.engine.messages import EventChannel, GenerationRequest
+from semantic.engine.sampling import SamplingParams
+from semantic.storage.cache_file import CacheFileError, CacheIdentity, read_cache_file, write_cache_file
+from tests.server_process import ROOT
+
+texts = st.text(max_size=20)
+maybe_texts = st.none() | texts
+submit_ops = st.builds(
+    tick_plan.SubmitOp,
+    request_id=texts,
+    prompt_tokens=st.lists(st.integers(0, 2**31 - 1), max_size=50),
+    temperature=st.floats(0, 2),
+    top_p=st.floats(0.01, 1),
+    top_k=st.integers(0, 1000),
+    max_tokens=st.integers(1, 10**6),
+    stop=st.lists(texts, max_size=4),
+    seed=st.none() | st.integers(0, 2**63 - 1),
+    queued_at=st.floats(0, 1e9),
+    agent_id=maybe_texts,
+    cache_salt=maybe_texts,
+    grammar=maybe_texts,
+    grammar_trigger=maybe_texts,
+)
+ops = st.one_of(
+    submit_ops,
+    st.builds(tick_plan.CancelOp, texts),
+    st.builds(tick_plan.ShutdownOp),
+    st.builds(tick_plan.LoadOp, texts, maybe_texts),
+    st.builds(tick_plan.RestoreOp, texts, texts, maybe_texts, st.integers(0, 10**6), texts),
+    st.builds(tick_plan.TakeOp, texts),
+    st.builds(tick_plan.DropOp, texts),
+    st.builds(tick_plan.ReferenceOp, st.lists(st.integers(0, 1000), max_size=10), st.integers(1, 100)),
+)
+
+
+@given(st.lists(ops, max_size=8), maybe_texts)
+def test_a_plan_reaches_the_other_ranks_unchanged(
+    plan_ops: list[tick_plan.Op], fail_reason: str | None
+) -> None:
+    plan = tick_plan.TickPlan(plan_ops, fail_reason, config_dict(EngineConfig()))
+    assert tick_plan.decode(tick_plan.encode(plan)) == plan
+
+
+def _submit(sampling: SamplingParams, agent_id: str | None = "ada") -> Submit:
+    loop = asyncio.new_event_loop()
+    request = GenerationRequest("r1", [1, 2, 3], sampling, agent_id=agent_id)
+    return Submit(request, EventChannel(loop), queued_at=12.5)
+
+
+def test_a_sampled_request_gets_one_seed_on_every_rank() -> None:
+    submit = _submit(SamplingParams(temperature=0.7, top_p=1.0, top_k=0))
+    op = tick_plan.op_for(submit)
+    assert isinstance(op, tick_plan.SubmitOp) and op.seed is not None
+    assert submit.request.sampling.seed == op.seed  # rank 0's own request draws with the same seed
+    assert tick_plan.request_of(op).sampling == submit.request.sampling
+    assert op.queued_at == 12.5  # admission order follows rank 0's clock on every rank
+
+    greedy = _submit(SamplingParams(temperature=0.0, top_p=1.0, top_k=0))
+    greedy_op = tick_plan.op_for(greedy)
+    assert isinstance(greedy_op, tick_plan.SubmitOp) and greedy_op.seed is None
+
+
+def test_only_what_changes_the_engine_is_shared() -> None:
+    loop = asyncio.new_event_loop()
+    reply: asyncio.Future[object] = loop.create_future()
+    assert tick_plan.op_for(Envelope(ListCaches(), reply, loop)) is None
+    assert tick_plan.op_for(Envelope(InspectPool(), reply, loop)) is None
+    assert tick_plan.op_for(Cancel("r1")) == tick_plan.CancelOp("r1")
+    assert tick_plan.op_for(Envelope(DropCache("ada"), reply, loop)) == tick_plan.DropOp("ada")
+    tokens = np.array([5, 6, 7], dtype=np.int32)
+    cache = SerializedCache("ada", {"tokens": tokens}, [], 3)
+    op = tick_plan.op_for(Envelope(RestoreCache(cache, "fp"), reply, loop))
+    assert op == tick_plan.RestoreOp("ada", "fp", None, 3, tick_plan.tokens_digest([5, 6, 7]))
+
+
+@given(st.lists(st.integers(0, 2**20), max_size=64), st.lists(st.integers(0, 2**20), max_size=64))
+def test_the_token_digest_tells_different_token_streams_apart(a: list[int], b: list[int]) -> None:
+    def digest(tokens: list[int]) -> int:
+        value = 0
+        for token in tokens:
+            value = next_digest(value, token)
+        return value
+
+    assert 0 <= digest(a) < DIGEST_MODULUS
+    if len(a) == len(b) and a != b and len(a) <= 2:  # short sequences: the digest is injective there
+        assert digest(a) != digest(b)
+    assert digest(a) == digest(list(a))
+
+
+def test_the_clock_travels_as_whole_microseconds() -> None:
+    now = clock_now()
+    assert round(now * 1_000_000) / 1_000_000 == now
+
+
+def test_followers_take_rank_0s_settings_on_their_own_paths(tmp_path: Path) -> None:
+    rank0 = EngineConfig(max_batch_size=4, shortest_first_max_wait_s=3.0, models_dir=Path("/rank0"))
+    own = EngineConfig(models_dir=tmp_path, rank_timeout_s=9.0)
+    merged = config_from(json.loads(json.dumps(config_dict(rank0))), own)
+    assert merged.max_batch_size == 4 and merged.shortest_first_max_wait_s == 3.0
+    assert merged.models_dir == tmp_path and merged.rank_timeout_s == 9.0
+
+
+def test_tensor_parallel_refuses_head_counts_the_group_cannot_split(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_attention_heads": 12, "num_key_value_heads": 3, "intermediate_size": 1536})
+    )
+    check_heads_divide(tmp_path, 3)
+    with pytest.raises(ValueError, match="3 KV heads, which 2 ranks cannot split"):
+        check_heads_divide(tmp_path, 2)
+
+
+def test_a_shard_of_another_layout_is_refused(tmp_path: Path) -> None:
+    cache = SerializedCache("ada", {"tokens": np.array([1, 2], dtype=np.int32)}, [], 2)
+    identity = CacheIdentity("m", "fp", 256, {"num_layers": 1}, 100, "tensor rank 1 of 2")
+    path = tmp_path / "ada.safetensors"
+    write_cache_file(path, cache, identity)
+    assert read_cache_file(path, identity, "ada").num_tokens == 2
+    for layout in ("tensor rank 0 of 2", "tensor rank 1 of 3", ""):
+        other = CacheIdentity("m", "fp", 256, {"num_layers": 1}, 100, layout)
+        with pytest.raises(CacheFileError, match="written by tensor rank 1 of 2"):
+            read_cache_file(path, other, "ada")
+
+
+def test_the_backend_is_named_from_the_launchers_environment() -> None:
+    assert backend_name({"MLX_HOSTFILE": "/h.json", "MLX_RANK": "0"}) == "ring"
+    assert backend_name({"MLX_IBV_DEVICES": "[]", "MLX_HOSTFILE": "x"}) == "jaccl"
+    assert backend_name({"OMPI_COMM_WORLD_SIZE": "2"}) == "mpi"
+    assert backend_name({}) == "unknown"
+
+
+def test_the_watchdog_ends_a_process_that_waits_too_long() -> None:
+    script = (
+        "import time\n"
+        "from semantic.engine.distributed import Watchdog\n"
+        "calls = []\n"
+        "watchdog = Watchdog(0, on_stall=calls.append, grace_s=0.1)\n"
+        "with watchdog.allow('a test', 0.2):\n"
+        "    time.sleep(30)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == EXIT_GROUP_LOST
+    assert "did not answer in time (a test)" in done.stderr
+
+
+def test_ranks_sharing_a_machine_split_its_blas_threads(tmp_path: Path) -> None:
+    from semantic.launch import ranks_on_this_machine
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"], ["10.0.0.2:5000"]]))
+    assert ranks_on_this_machine({"MLX_HOSTFILE": str(hostfile), "MLX_RANK": "1"}) == 2
+    assert ranks_on_this_machine({"MLX_HOSTFILE": str(hostfile), "MLX_RANK": "2"}) == 1
+    assert ranks_on_this_machine({"MLX_HOSTFILE": str(tmp_path / "missing.json"), "MLX_RANK": "0"}) == 1
+    assert ranks_on_this_machine({}) == 1
