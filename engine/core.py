@@ -124,6 +124,13 @@ class EngineCore:
         """The group this rank runs ticks with: None alone (`ServingCore` and `FollowerCore` say)."""
         return None
 
+    # No local reference to the runtime may live across a tick's messages: an unload must free it.
+    def _next_chunk(self) -> int:
+        return self._runtime.batch.next_chunk() if self._runtime is not None else 0
+
+    def _token_digest(self) -> int:
+        return self._runtime.batch.token_digest if self._runtime is not None else 0
+
     def _run_tick(self, now: float, chunk: int, fail_reason: str | None) -> None:
         """What every rank does once the tick's messages are applied: admit, step, post."""
         if fail_reason is not None:

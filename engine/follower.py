@@ -74,7 +74,7 @@ class FollowerCore(EngineCore):
         super().__init__(config, stats, queue.SimpleQueue(), loop, on_evicted=None)
         self._outbox = _NoClients(loop)
         self._follower = follower
-        self._grammars: tuple[Runtime, GrammarCompiler] | None = None
+        self._grammars: tuple[str, GrammarCompiler] | None = None  # by model fingerprint
 
     @property
     def _lockstep(self) -> Lockstep | None:
@@ -98,8 +98,7 @@ class FollowerCore(EngineCore):
         timeout_s = self.config.rank_timeout_s + follower.heartbeat_s
         while True:
             tick = follower.receive(timeout_s)
-            runtime = self._runtime
-            own_digest = runtime.batch.token_digest if runtime is not None else 0
+            own_digest = self._token_digest()
             if tick.token_digest != own_digest:
                 raise GroupDivergedError(
                     f"rank {follower.layout.rank} generated other tokens than rank 0 "
@@ -152,9 +151,12 @@ class FollowerCore(EngineCore):
         self._scheduler.add(Submit(request, EventChannel(self._loop), queued_at=op.queued_at))
 
     def _grammar_compiler(self, runtime: Runtime) -> GrammarCompiler:
-        if self._grammars is None or self._grammars[0] is not runtime:
-            loaded = runtime.loaded
-            self._grammars = (runtime, GrammarCompiler(loaded.tokenizer, sorted(loaded.eos_token_ids)))
+        loaded = runtime.loaded
+        if self._grammars is None or self._grammars[0] != loaded.fingerprint:
+            self._grammars = (
+                loaded.fingerprint,
+                GrammarCompiler(loaded.tokenizer, sorted(loaded.eos_token_ids)),
+            )
         return self._grammars[1]
 
     def _quietly(self, command: EngineAsk[Any]) -> Any:

@@ -89,14 +89,12 @@ class ServingCore(EngineCore):
             )
             self._pending = []
             now = clock_now()
-            runtime = self._runtime
-            chunk = runtime.batch.next_chunk() if runtime is not None else 0
+            chunk, digest = self._next_chunk(), self._token_digest()
             fail_reason = self._expired_drain(now)
             loads = any(isinstance(m, Envelope) and isinstance(m.command, LoadModel) for m in messages)
             with self._tick_allowance(loads):
                 try:
                     if leader is not None:
-                        digest = runtime.batch.token_digest if runtime is not None else 0
                         leader.share(messages, now, chunk, digest, fail_reason, self.config)
                 except Exception as error:  # the others cannot run this tick: the group cannot go on
                     self._lose_group(error, messages)

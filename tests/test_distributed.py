@@ -108,6 +108,36 @@ def test_a_group_answers_four_agents_at_once_token_for_token_like_one_process(  
         )
 
 
+def test_a_pipeline_group_answers_like_one_process(
+    server_factory, tmp_path: Path, default_model_dir: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """`--pipeline` splits layers (Qwen2 supports it in mlx-lm): 3 layers as 2 + 1, the pool sized for
+    the rank with more, the same greedy tokens as one process."""
+    from tests.tiny_models import TINY_CONFIGS, build_tiny_model
+
+    TINY_CONFIGS["qwen2-untied"] = {**TINY_CONFIGS["qwen2"], "tie_word_embeddings": False}
+    model_dir = build_tiny_model("qwen2-untied", tmp_path / "qwen2", default_model_dir)
+    with safe_open(str(model_dir / "model.safetensors"), framework="numpy") as f:
+        weight_map = dict.fromkeys(f.keys(), "model.safetensors")
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    args = ("--model", str(model_dir), "--cache-budget-mb", "64")
+    agent_ids = ["p0", "p1"]
+    alone = server_factory(*args, cache_dir=tmp_path / "alone").start()
+    _turns_at_once(alone, agent_ids, PROMPTS[:2])
+    expected = _conversations(alone.cache_dir, agent_ids)
+    alone.stop()
+    group = GroupProcesses(tmp_path / "group", 2, *args, "--pipeline").start()
+    try:
+        assert call(group, "GET", "/health/ready")[1]["group"]["parallel"] == "pipeline"
+        _turns_at_once(group, agent_ids, PROMPTS[:2])
+        assert _conversations(group.cache_dir, agent_ids) == expected
+        assert len(set(expected["p0"][-GREEDY["max_tokens"] :])) > 1  # a reply worth comparing
+        assert group.stop() == [0, 0]
+    finally:
+        group.kill()
+    assert "loaded qwen2 (2 layers" in group.log(0) and "loaded qwen2 (1 layers" in group.log(1)
+
+
 def _rank_memory(group: GroupProcesses) -> list[int]:
     return [b for b in call(group, "GET", "/health/ready")[1]["group"]["rank_active_memory_bytes"] if b > 0]
 
