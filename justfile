@@ -57,6 +57,8 @@ bench:
     {{fast}} {{py}} -m bench.kv_footprint
     {{fast}} {{py}} -m bench.decode_limit
     {{fast}} {{py}} -m bench.idle_kv
+    {{fast}} {{py}} -m bench.history_ttft
+    {{fast}} {{py}} -m bench.distributed
 
 # Only the multi-agent replay against mlx_lm.server (pass e.g. --agents 1 4).
 bench-replay *ARGS:

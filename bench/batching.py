@@ -1,5 +1,8 @@
 """Aggregate decode tokens/s at 1, 2, 4, 8 concurrent requests: our HTTP path vs raw BatchGenerator.
 
+Both prefill up to 8 prompts together in 512-token chunks (BatchGenerator's default batch; our CPU
+default prefills one prompt at a time, a scheduling choice measured by bench/arrivals.py).
+
 Also samples /health/live latency while 8 requests decode. Writes bench/results/batching.json.
 """
 
@@ -103,7 +106,18 @@ def main() -> None:
     raw = {n: raw_tokens_per_s(model, tokenizer, n) for n in CONCURRENCY}
     del model
     with tempfile.TemporaryDirectory() as cache:
-        server = ServerProcess(Path(cache), "--model", str(model_dir), port=8791).start()
+        # The same schedule as the raw generator above (its default: up to 8 prompts prefilled
+        # together), so the ratio is the HTTP path's cost, not our CPU default of one prompt at a time.
+        server = ServerProcess(
+            Path(cache),
+            "--model",
+            str(model_dir),
+            "--prefill-batch-size",
+            "8",
+            "--prefill-step-size",
+            "512",
+            port=8791,
+        ).start()
         try:
             asyncio.run(http_tokens_per_s(server.base_url, tokenizer, 1))  # warm-up
             health: list[float] = []
