@@ -151,7 +151,7 @@ def test_streams_of_several_agents_decode_together_in_a_group(llama_dir: Path, t
     lock = threading.Lock()
 
     def stream(i: int) -> None:
-        for event, _ in _stream(group, f"s{i}", PROMPTS[i], {"max_tokens": 48, "temperature": 0}):
+        for event, _ in _stream(group, f"s{i}", PROMPTS[i], {"max_tokens": 200, "temperature": 0}):
             with lock:
                 events.append((i, event))
 
