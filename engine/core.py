@@ -290,12 +290,21 @@ class EngineCore:
         if not evicted:
             return
         self.stats.num_evictions += len(evicted)
-        if self._on_evicted is None:
+        if not self._keeps_evicted:
             return
         # Anonymous agents are matched by content in memory only; their ids do not survive a restart.
         serialized = [to_tensors(s) for s in evicted if not is_anonymous(s.agent_id)]
         if serialized:
-            self._loop.call_soon_threadsafe(self._on_evicted, serialized)
+            self._keep_evicted(serialized, runtime)
+
+    @property
+    def _keeps_evicted(self) -> bool:
+        return self._on_evicted is not None
+
+    def _keep_evicted(self, caches: list[SerializedCache], runtime: Runtime) -> None:
+        """Hand evicted caches to whoever writes them: the persistence actor, on the event loop."""
+        assert self._on_evicted is not None
+        self._loop.call_soon_threadsafe(self._on_evicted, caches)
 
     def _update_stats(self) -> None:
         runtime = self._runtime

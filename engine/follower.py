@@ -17,8 +17,7 @@ import mlx.core as mx
 from loguru import logger
 
 from semantic.engine import mlx_seams
-from semantic.engine.agent_cache import is_anonymous
-from semantic.engine.cache_tensors import SerializedCache, to_tensors
+from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.commands import (
     DropCache,
     EngineAsk,
@@ -189,9 +188,10 @@ class FollowerCore(EngineCore):
         if caches and self.loaded is not None:
             self._follower.files.save(caches, self.loaded)
 
-    def _hand_over_evicted(self, runtime: Runtime) -> None:
-        evicted = runtime.take_evicted()
-        self.stats.num_evictions += len(evicted)
-        named = [to_tensors(s) for s in evicted if not is_anonymous(s.agent_id)]
-        if named:
-            self._follower.files.save(named, runtime.loaded)
+    @property
+    def _keeps_evicted(self) -> bool:
+        return True
+
+    def _keep_evicted(self, caches: list[SerializedCache], runtime: Runtime) -> None:
+        """A follower writes its own shards of what it evicted (rank 0's actor writes rank 0's)."""
+        self._follower.files.save(caches, runtime.loaded)

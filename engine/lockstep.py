@@ -48,11 +48,21 @@ class ShardFiles(Protocol):
     def close(self) -> None: ...
 
 
-class Leader:
+class _Rank:
+    """What both parts share: the group's collectives, this rank's layout, the idle heartbeat."""
+
     def __init__(self, collectives: Collectives, layout: GroupLayout, heartbeat_s: float) -> None:
         self.collectives = collectives
         self.layout = layout
         self.heartbeat_s = heartbeat_s
+
+    def agree(self, ok: bool, what: str) -> bool:
+        return self.collectives.agree(ok, what)
+
+
+class Leader(_Rank):
+    def __init__(self, collectives: Collectives, layout: GroupLayout, heartbeat_s: float) -> None:
+        super().__init__(collectives, layout, heartbeat_s)
         self._shared_config: EngineConfig | None = None
 
     def share(
@@ -75,19 +85,13 @@ class Leader:
         if data:
             self.collectives.share_bytes(data, len(data))
 
-    def agree(self, ok: bool, what: str) -> bool:
-        return self.collectives.agree(ok, what)
 
-
-class Follower:
+class Follower(_Rank):
     def __init__(
         self, collectives: Collectives, layout: GroupLayout, files: ShardFiles, heartbeat_s: float
     ) -> None:
-        self.collectives = collectives
-        self.layout = layout
+        super().__init__(collectives, layout, heartbeat_s)
         self.files = files
-        # Rank 0 may be idle (heartbeats come every `heartbeat_s`) or loading a model; both count.
-        self.heartbeat_s = heartbeat_s
 
     def receive(self, timeout_s: float | None = None) -> Tick:
         num_bytes, chunk, now_us, digest = self.collectives.share_header(
@@ -95,9 +99,6 @@ class Follower:
         )
         plan = tick_plan.decode(self.collectives.share_bytes(None, num_bytes)) if num_bytes else TickPlan()
         return Tick(now=now_us / 1_000_000, chunk=chunk, token_digest=digest, plan=plan)
-
-    def agree(self, ok: bool, what: str) -> bool:
-        return self.collectives.agree(ok, what)
 
 
 # Each rank keeps its own paths and group settings; the rest must match for the ranks to agree.
