@@ -50,6 +50,16 @@ class Sequence:
     generated_token_ids: list[int] = field(default_factory=list)
     outbox: list[Event] = field(default_factory=list)  # this tick's events, posted at its end
     published_block_ids: list[int] = field(default_factory=list)  # its prompt's blocks, shared early
+    early_token: int | None = None  # its first token, taken before the generator returns it
+
+
+@dataclass(slots=True)
+class FinishedCache:
+    """A sequence that ended this tick with its cache (layer caches and their tokens), to keep."""
+
+    sequence: Sequence
+    layer_caches: list[Any]
+    token_ids: list[int]
 
 
 class Batch:
@@ -71,8 +81,16 @@ class Batch:
         self._outbox = outbox
         self._stream = stream
         self._generator = self._new_generator()
+        # mlx-lm returns a token one step after computing it, so its next step overlaps the caller's
+        # work; MLX's CPU backend runs that step before the call returns, so there a first token
+        # would wait a whole step for nothing: take it as soon as it exists.
+        self._takes_first_tokens_early = stream.device == mx.cpu
         self.prefill_budget = PrefillBudget(config.num_tokens_per_prefill_step, config.prefill_stall_ratio)
         self.running: dict[int, Sequence] = {}
+        # Cache copies wait until the tick's events are posted (`keep_caches`): reading a cache out of
+        # the generator waits for the step it already queued, and a first token should not.
+        self._prefilled_uids: list[int] = []
+        self._finished_caches: list[FinishedCache] = []
         self.token_digest = 0  # of every token generated, in order: ranks of a group compare it
 
     def __len__(self) -> int:
@@ -169,30 +187,48 @@ class Batch:
             mlx_seams.num_prompt_tokens_processed(generator) - prefilled_before,
         )
         self._stats.num_steps += 1
+        ended_prompts = []
         for progress in prompt_responses:
             prefilling = self.running.get(progress.uid)
             if prefilling is None:
                 continue
             if progress.end_of_prompt:
-                self._publish_prompt(progress.uid, prefilling)
+                ended_prompts.append(progress.uid)
             else:
                 done, total = progress.progress
                 prefilling.outbox.append(PromptProgress(done, total))
+        self._prefilled_uids += ended_prompts
         for response in generation_responses:
             running = self.running.get(response.uid)
             if running is None:
                 continue
-            running.generated_token_ids.append(response.token)
-            self.token_digest = next_digest(self.token_digest, response.token)
-            self._stats.num_generated_tokens += 1
-            text = running.text.add_token(response.token)
-            running.outbox.append(TokenDelta([response.token], text))
+            if running.early_token is None:
+                self._take_token(running, response.token)
+            else:
+                assert running.early_token == response.token, "an early first token changed: engine bug"
+                running.early_token = None
             if response.finish_reason is not None:
                 reason = FinishReason.LENGTH if response.finish_reason == "length" else FinishReason.STOP
                 self._finish(response.uid, reason, (response.prompt_cache, response.all_tokens))
             elif running.text.stop_hit is not None:
-                removed = self._generator.remove([response.uid], return_prompt_caches=True)
-                self._finish(response.uid, FinishReason.STOP, removed.get(response.uid))
+                self._finish_at_stop_string(response.uid)
+        if self._takes_first_tokens_early and ended_prompts:
+            for uid, token in mlx_seams.first_tokens(generator, ended_prompts).items():
+                running = self.running[uid]  # it cannot have ended since its prompt did, this step
+                running.early_token = token
+                self._take_token(running, token)
+                if running.text.stop_hit is not None:
+                    self._finish_at_stop_string(uid)
+
+    def _take_token(self, running: Sequence, token: int) -> None:
+        running.generated_token_ids.append(token)
+        self.token_digest = next_digest(self.token_digest, token)
+        self._stats.num_generated_tokens += 1
+        running.outbox.append(TokenDelta([token], running.text.add_token(token)))
+
+    def _finish_at_stop_string(self, uid: int) -> None:
+        removed = self._generator.remove([uid], return_prompt_caches=True)
+        self._finish(uid, FinishReason.STOP, removed.get(uid))
 
     def cancel(self, request_id: str) -> bool:
         for uid, running in self.running.items():
@@ -227,6 +263,23 @@ class Batch:
                 self._outbox.post_many(running.events, running.outbox)
                 running.outbox = []
 
+    def keep_caches(self) -> None:
+        """Share the blocks of prompts prefilled this tick and keep the caches of sequences that
+        ended; the engine calls it once the tick's events are posted."""
+        prefilled, self._prefilled_uids = self._prefilled_uids, []
+        for uid in prefilled:
+            running = self.running.get(uid)
+            if running is None:  # ended, cancelled or failed since
+                continue
+            if running.generated_token_ids:
+                self._publish_prompt(uid, running)
+            else:  # reading its cache would wait for the step computing its first token
+                self._prefilled_uids.append(uid)
+        finished, self._finished_caches = self._finished_caches, []
+        for ended in finished:
+            self._keep(ended)
+            self._release(ended.sequence)
+
     def _publish_prompt(self, uid: int, running: Sequence) -> None:
         """Share a prompt's full blocks once it is prefilled, not when its reply ends: agents that
         arrive together with one system prompt then prefill it once, not once each."""
@@ -235,13 +288,17 @@ class Batch:
         num_blocks = (len(prompt) - 1) // spec.block_size  # blocks whose tokens are all in the cache by now
         if num_blocks <= running.num_cached_tokens // spec.block_size or spec.has_sliding_layers:
             return
-        extracted = self._generator.extract_cache([uid]).get(uid)
-        if extracted is None:
-            return
+        # Views copy only the blocks the pool lacks; a whole extracted cache would be copied first.
+        layer_caches = mlx_seams.cache_views(self._generator, uid)
+        if layer_caches is None:
+            extracted = self._generator.extract_cache([uid]).get(uid)
+            if extracted is None:
+                return
+            layer_caches = extracted[0]
         try:
             running.published_block_ids = self._store.publish_prefix(
                 prompt[: num_blocks * spec.block_size],
-                extracted[0],
+                layer_caches,
                 running.reserved_block_ids,
                 running.request.cache_salt,
             )
@@ -249,24 +306,16 @@ class Batch:
             logger.exception("could not share the prompt blocks of request {}", running.request.request_id)
 
     def _finish(self, uid: int, reason: FinishReason, cache: tuple[Any, Any] | None = None) -> None:
-        """End a sequence the generator no longer holds; keep `cache` (layer caches, tokens) if given."""
+        """End a sequence the generator no longer holds and post its last events; its cache (layer
+        caches, tokens), if given, is kept by `keep_caches` before its blocks are released."""
         running = self.running.pop(uid)
         tail = running.text.finish() if reason is not FinishReason.CANCELLED else ""
         if tail:
             running.outbox.append(TokenDelta([], tail))
         if cache is not None and cache[0] is not None:
-            layer_caches, tokens = cache
-            try:
-                running.reserved_block_ids = self._store.store(
-                    running.agent_id,
-                    list(tokens),
-                    layer_caches,
-                    running.reserved_block_ids,
-                    running.request.cache_salt,
-                )
-            except Exception:
-                logger.exception("could not keep the cache of agent {}", running.agent_id)
-        self._release(running)
+            self._finished_caches.append(FinishedCache(running, cache[0], list(cache[1])))
+        else:
+            self._release(running)
         running.outbox.append(
             Finished(
                 reason,
@@ -279,6 +328,19 @@ class Batch:
         )
         self._outbox.post_many(running.events, running.outbox)
         running.outbox = []
+
+    def _keep(self, ended: FinishedCache) -> None:
+        running = ended.sequence
+        try:
+            running.reserved_block_ids = self._store.store(
+                running.agent_id,
+                ended.token_ids,
+                ended.layer_caches,
+                running.reserved_block_ids,
+                running.request.cache_salt,
+            )
+        except Exception:
+            logger.exception("could not keep the cache of agent {}", running.agent_id)
 
     def _release(self, running: Sequence) -> None:
         self._pool.free(running.reserved_block_ids)

@@ -15,6 +15,7 @@ import json
 import secrets
 from typing import Any
 
+from semantic.engine.prompt_encoding import SegmentEncoder
 from semantic.engine.tool_format import HERMES, detect_tool_format
 
 ChatMessage = dict[str, Any]
@@ -47,6 +48,7 @@ class ChatFormat:
         # The parser reads back what the prompt asks for: the model's own format where its template
         # renders the tools, Hermes where we describe them.
         self.tool_format = detect_tool_format(tokenizer) if self.template_knows_tools else HERMES
+        self.encoder = SegmentEncoder(tokenizer)
 
     @property
     def tool_call_opener(self) -> str:
@@ -86,8 +88,7 @@ class ChatFormat:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text; the template already wrote any BOS."""
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
-        return ids
+        return self.encoder.encode(text)
 
     def continuation(self, system: str | None, new_messages: list[ChatMessage]) -> str:
         """The text that follows a finished assistant turn to add `new_messages` and open the next one.

@@ -20,7 +20,6 @@ from typing import Any
 import mlx.core as mx
 from loguru import logger
 
-from semantic.engine import cpu_attention
 from semantic.engine.agent_cache import is_anonymous
 from semantic.engine.cache_tensors import SerializedCache, to_tensors
 from semantic.engine.commands import (
@@ -143,6 +142,9 @@ class EngineCore:
             if len(runtime.batch):
                 runtime.batch.step(chunk)
         self._flush()
+        if runtime is not None:
+            runtime.batch.keep_caches()  # after the events are out: it waits on the step MLX queued
+            self._flush()
         self._check_drains()
         self._update_stats()
         self._gather_memory(now)
@@ -274,10 +276,9 @@ class EngineCore:
             drain.envelope.fail(EngineError("the engine stopped during the drain"))
         if self._runtime is not None:
             self._runtime.batch.close()
-        # mlx-lm evaluates the next step asynchronously; let every stream this thread used finish
+        # mlx-lm evaluates the next step asynchronously; let the engine's stream finish
         # before the thread ends, or a process exiting soon after can abort inside MLX's scheduler.
         mx.synchronize()
-        cpu_attention.synchronize_streams()
 
     def _flush(self) -> None:
         if self._runtime is not None:

@@ -45,7 +45,9 @@ class BlockCodec:
 
     def encode(self, array: mx.array) -> Any:
         if self.bits is None:
-            return mx.contiguous(array)
+            # Always a copy (`mx.contiguous` of a contiguous slice is a view): a block must not keep
+            # the batch's whole arrays alive, nor stop the batch from updating them in place.
+            return mx.array(array)
         return tuple(mx.quantize(array, group_size=self.group_size, bits=self.bits))
 
     def decode(self, held: Any) -> mx.array:

@@ -23,7 +23,7 @@ import mlx_lm
 from loguru import logger
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import base
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from semantic.engine import cpu_attention
 
@@ -77,6 +77,7 @@ def check_seams(model: Any = None) -> None:
         generator.close()
     check_attention(base.scaled_dot_product_attention)
     check_cache_states()
+    check_batch_cache_views()
     check_responses()
 
 
@@ -101,6 +102,39 @@ def set_prefill_chunk(generator: BatchGenerator, num_tokens: int) -> None:
 def num_prompt_tokens_processed(generator: BatchGenerator) -> int:
     """Prompt tokens the generator has prefilled since it was made."""
     return int(generator._counters.prompt_tokens)
+
+
+def first_tokens(generator: BatchGenerator, uids: list[int]) -> dict[int, int]:
+    """The first tokens of sequences whose prompts ended in the last `next()`: computed by then (the
+    step queued for them has run), returned by the generator only with the following step."""
+    batch = generator._generation_batch
+    positions = {uid: index for index, uid in enumerate(batch.uids) if uid in uids}
+    if not positions or batch._next_tokens is None:
+        return {}
+    tokens = batch._next_tokens.tolist()
+    return {uid: int(tokens[index]) for uid, index in positions.items()}
+
+
+def cache_views(generator: BatchGenerator, uid: int) -> list[KVCache] | None:
+    """A running sequence's per-layer caches as views into the batch's arrays, so that only the
+    slices read from them are ever copied (`extract_cache` copies the whole sequence first). None
+    unless every layer is a plain `BatchKVCache`."""
+    found = generator._find_uids([uid]).get(uid)
+    if found is None or found[0] == 0:
+        return None
+    stage, index = found
+    batch = generator._generation_batch if stage == 2 else generator._prompt_batch
+    views: list[KVCache] = []
+    for layer in batch.prompt_cache:
+        if type(layer) is not BatchKVCache or layer.keys is None:
+            return None
+        padding = int(layer.left_padding[index].item())
+        view = KVCache()
+        view.keys = layer.keys[index : index + 1, :, padding : layer._idx]
+        view.values = layer.values[index : index + 1, :, padding : layer._idx]
+        view.offset = layer._idx - padding
+        views.append(view)
+    return views
 
 
 def check_generator(generator: Any) -> None:
@@ -136,6 +170,12 @@ def check_generator(generator: Any) -> None:
         "every tick)",
         lambda: "self.prefill_step_size" in inspect.getsource(type(generator)._next),
     )
+    _require(
+        "BatchGenerator's `_generation_batch` has `uids` and `_next_tokens` (first_tokens() reads them)",
+        lambda batch: isinstance(batch.uids, list) and hasattr(batch, "_next_tokens"),
+        generator._generation_batch,
+    )
+    _require("BatchGenerator has `_find_uids` (cache_views() reads it)", hasattr, generator, "_find_uids")
 
 
 # ---- cache state layouts: agent_cache builds caches from `state`, cache_tensors writes it out ----
@@ -159,6 +199,27 @@ def check_cache_states() -> None:
     _require(
         "quantized KV caches, and only they, have `bits` (the CPU attention hook leaves them to mlx-lm)",
         lambda: hasattr(QuantizedKVCache(), "bits") and not hasattr(KVCache(), "bits"),
+    )
+
+
+def check_batch_cache_views() -> None:
+    """`cache_views` reads a BatchKVCache's keys, values, left padding and write index: its views
+    must hold what `extract` copies."""
+
+    def views_equal_extract() -> bool:
+        batch: Any = BatchKVCache(left_padding=[2, 0])
+        keys = mx.arange(2 * 1 * 5 * 2, dtype=mx.float32).reshape(2, 1, 5, 2)
+        batch.update_and_fetch(keys, keys + 100)
+        extracted = batch.extract(0)
+        padding = int(batch.left_padding[0].item())
+        view = batch.keys[0:1, :, padding : batch._idx]
+        values = batch.values[0:1, :, padding : batch._idx]
+        return bool(mx.array_equal(view, extracted.keys)) and bool(mx.array_equal(values, extracted.values))
+
+    _require(
+        "BatchKVCache keeps `keys`, `values`, `left_padding` and `_idx`, and extract(i) copies "
+        "keys[i, :, left_padding[i]:_idx] (cache_views reads them without the copy)",
+        views_equal_extract,
     )
 
 
@@ -211,12 +272,7 @@ def _hook(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
         mask: mx.array | str | None,
         sinks: mx.array | None = None,
     ) -> mx.array:
-        if (
-            not getattr(_engine_thread, "enabled", False)
-            or sinks is not None
-            or hasattr(cache, "bits")
-            or queries.shape[2] == 1  # one query: the fused kernel is already cheap
-        ):
+        if not getattr(_engine_thread, "enabled", False) or sinks is not None or hasattr(cache, "bits"):
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         return cpu_attention.attention(queries, keys, values, scale, mask)
 
