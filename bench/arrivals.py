@@ -164,13 +164,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--arrivals", type=int, nargs="+", default=[0, 2, 8])
     parser.add_argument("--servers", nargs="+", default=["semantic", "mlx_lm.server"])
+    parser.add_argument("--prefill-stall-ratio", help="semantic's --prefill-stall-ratio (default: its own)")
+    parser.add_argument("--output", default="arrivals", help="results file name, without .json")
     args = parser.parse_args()
+    ratio = ("--prefill-stall-ratio", args.prefill_stall_ratio) if args.prefill_stall_ratio else ()
     model_dir = ensure_default_model()
     results: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="semantic-arrivals-") as tmp:
         chunk = ("--prefill-step-size", PREFILL_CHUNK)
         servers: dict[str, Server] = {
-            "semantic": Semantic(model_dir, Path(tmp) / "cache", *chunk, "--prefill-stall-ratio", "1"),
+            "semantic": Semantic(model_dir, Path(tmp) / "cache", *chunk, *ratio),
             "mlx_lm.server": MlxLmServer(model_dir, Path(tmp), RUNNER_TOKENS, *chunk),
         }
         for name in args.servers:
@@ -192,17 +195,18 @@ def main() -> None:
         comparison["semantic_p99_growth"] = round(ours[most]["itl_p99_ms"] / ours[0]["itl_p99_ms"], 2)
     if most in ours and most in theirs:
         comparison["p99_vs_mlx_lm_server"] = round(ours[most]["itl_p99_ms"] / theirs[most]["itl_p99_ms"], 3)
-    plot_path = RESULTS / "arrivals_itl.png"
+    plot_path = RESULTS / f"{args.output}_itl.png"
     RESULTS.mkdir(parents=True, exist_ok=True)
     plot(results, plot_path)
     write_results(
-        "arrivals",
+        args.output,
         {
             "workload": {
                 "runners": RUNNERS,
                 "arrival_prompt_tokens": "~2,000",
                 "arrival_gap_s": ARRIVAL_GAP_S,
                 "prefill_step_size": int(PREFILL_CHUNK),
+                "semantic_prefill_stall_ratio": args.prefill_stall_ratio or "default",
             },
             "comparison": comparison,
             "servers": results,

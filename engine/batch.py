@@ -8,7 +8,6 @@ its reserved blocks and posts its last events.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -24,11 +23,8 @@ from semantic.engine.errors import EngineError
 from semantic.engine.loading import LoadedModel
 from semantic.engine.lockstep import next_digest
 from semantic.engine.messages import (
-    Event,
-    EventChannel,
     Finished,
     FinishReason,
-    GenerationRequest,
     PromptProgress,
     PromptStarted,
     TokenDelta,
@@ -36,30 +32,8 @@ from semantic.engine.messages import (
 from semantic.engine.outbox import Outbox
 from semantic.engine.prefill_budget import PrefillBudget
 from semantic.engine.sampling import make_sampler
+from semantic.engine.sequence import FinishedCache, Sequence
 from semantic.engine.text_stream import TextStream
-
-
-@dataclass(slots=True)
-class Sequence:
-    request: GenerationRequest
-    events: EventChannel
-    agent_id: str
-    text: TextStream
-    reserved_block_ids: list[int]
-    num_cached_tokens: int
-    generated_token_ids: list[int] = field(default_factory=list)
-    outbox: list[Event] = field(default_factory=list)  # this tick's events, posted at its end
-    published_block_ids: list[int] = field(default_factory=list)  # its prompt's blocks, shared early
-    early_token: int | None = None  # its first token, taken before the generator returns it
-
-
-@dataclass(slots=True)
-class FinishedCache:
-    """A sequence that ended this tick with its cache (layer caches and their tokens), to keep."""
-
-    sequence: Sequence
-    layer_caches: list[Any]
-    token_ids: list[int]
 
 
 class Batch:
@@ -161,7 +135,10 @@ class Batch:
 
     def next_chunk(self) -> int:
         """The prompt tokens the next step may prefill (the budget's choice for what decodes now)."""
-        return self.prefill_budget.tokens_for_tick(mlx_seams.num_generating(self._generator))
+        prefilling = (s.num_uncached_tokens for s in self.running.values() if s.is_prefilling)
+        return self.prefill_budget.tokens_for_tick(
+            mlx_seams.num_generating(self._generator), max(prefilling, default=0)
+        )
 
     def step(self, chunk: int | None = None) -> None:
         """One generator step: one token for each decoding sequence, a prefill chunk (`chunk`, or
@@ -169,7 +146,7 @@ class Batch:
         generator, budget = self._generator, self.prefill_budget
         num_decoding = mlx_seams.num_generating(generator)
         if chunk is None:
-            chunk = budget.tokens_for_tick(num_decoding)
+            chunk = self.next_chunk()
         mlx_seams.set_prefill_chunk(generator, chunk)
         self._stats.prefill_chunk_tokens = chunk
         prefilled_before = mlx_seams.num_prompt_tokens_processed(generator)
@@ -193,6 +170,7 @@ class Batch:
             if prefilling is None:
                 continue
             if progress.end_of_prompt:
+                prefilling.is_prefilling = False
                 ended_prompts.append(progress.uid)
             else:
                 done, total = progress.progress

@@ -19,8 +19,8 @@ class EngineConfig:
     prefill_batch_size: int | None = None  # None: 1 on the CPU, 8 on a GPU
     prefill_step_size: int | None = None  # None: 512 on the CPU, 2048 on a GPU
     # While others decode, a tick prefills what takes about this many of their decode steps
-    # (engine/prefill_budget.py); 0 (the default): always `prefill_step_size`.
-    prefill_stall_ratio: float = 0.0
+    # (engine/prefill_budget.py); 0: always `prefill_step_size`.
+    prefill_stall_ratio: float = 1.0
     # Waiting prompts are admitted shortest uncached part first; one waiting this long goes first.
     shortest_first_max_wait_s: float = 60.0
     tick_s: float = 0.010

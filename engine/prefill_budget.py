@@ -11,6 +11,11 @@ D and p are measured as the engine runs (moving averages), so the budget follows
 the model: a GPU, whose prefill is cheap next to its decode step, gets big chunks; a CPU small
 ones. p is measured at the chunk size in use, per-chunk overheads included, so the estimate
 settles where a chunk really takes r·D. With nothing decoding, a prompt prefills in full chunks.
+
+A prompt whose uncached part fits one chunk goes in whole even while streams decode: a returning
+agent's turn (its new messages on top of a cached history) costs the running streams one longer
+stall, where small chunks would each pay a decode step and the model's weights read again, and
+delay that agent's reply several-fold on the CPU. Only long prompts (cold histories) are chunked.
 """
 
 from __future__ import annotations
@@ -28,9 +33,13 @@ class PrefillBudget:
     decode_step_s: float | None = None  # D: a tick with decoding and no prefill
     token_s: float | None = None  # p: prefill time per prompt token, at the chunk size in use
 
-    def tokens_for_tick(self, num_decoding: int) -> int:
-        """The chunk for the next tick, given how many sequences are decoding."""
+    def tokens_for_tick(self, num_decoding: int, num_prompt_tokens: int) -> int:
+        """The chunk for the next tick, given how many sequences are decoding and the most uncached
+        tokens any prompt now prefilling started with (0: none yet; one admitted in the tick gets
+        the budget's chunk, as its length is not known when the chunk is chosen)."""
         if num_decoding == 0 or self.stall_ratio <= 0 or self.max_tokens <= MIN_CHUNK_TOKENS:
+            return self.max_tokens
+        if 0 < num_prompt_tokens <= self.max_tokens:  # a short turn: whole, in one stall
             return self.max_tokens
         if self.decode_step_s is None or self.token_s is None:
             return MIN_CHUNK_TOKENS  # measure with a small chunk before risking a long stall

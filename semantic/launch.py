@@ -8,7 +8,8 @@ re-executes itself and `python -m semantic.launch CMD...` wraps any other comman
 The same environment keeps glibc's malloc from handing each large buffer back to the kernel: MLX's
 CPU allocator mallocs every array, and an attention score matrix of tens of MB otherwise comes
 from a fresh `mmap` whose page faults cost more than the arithmetic on it (an elementwise op over
-12.7M floats: 37 ms with mmap, 4 ms from the heap). The heap keeps its peak size instead.
+12.7M floats: 37 ms with mmap, 4 ms from the heap). The heap keeps its peak size instead, and
+every thread shares the main arena, whose settings these are.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import sys
 from pathlib import Path
 
 _DONE_MARKER = "SEMANTIC_FAST_BLAS"
-MALLOC_TUNING = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 34)}
+# One arena: glibc gives other threads arenas of 64 MB heaps that map and unmap what outgrows them,
+# so on the engine thread (not the main one) those arrays paid the page faults all the same (an
+# elementwise op over 13.6M floats: 55 ms there against 7 ms on the main thread).
+MALLOC_TUNING = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 34), "MALLOC_ARENA_MAX": "1"}
 
 
 def _package_dir(name: str) -> Path | None:

@@ -20,6 +20,7 @@ from semantic.engine.prefill_budget import MIN_CHUNK_TOKENS, PrefillBudget
 from semantic.engine.sampling import SamplingParams
 
 MAX_CHUNK = 512
+LONG_PROMPT = 4 * MAX_CHUNK  # a cold history: chunked under the budget
 ticks = st.lists(
     st.tuples(
         st.floats(min_value=-1.0, max_value=10.0, allow_nan=False),
@@ -37,10 +38,12 @@ def test_a_tick_with_streams_decoding_prefills_between_the_floor_and_the_chunk(
     budget = PrefillBudget(MAX_CHUNK, ratio)
     for elapsed_s, decoding, prompt_tokens in observed:
         budget.observe(elapsed_s, decoding, prompt_tokens)
-        assert MIN_CHUNK_TOKENS <= budget.tokens_for_tick(num_decoding) <= MAX_CHUNK
-        assert budget.tokens_for_tick(0) == MAX_CHUNK  # nothing to stall: whole chunks
+        assert MIN_CHUNK_TOKENS <= budget.tokens_for_tick(num_decoding, LONG_PROMPT) <= MAX_CHUNK
+        assert budget.tokens_for_tick(0, LONG_PROMPT) == MAX_CHUNK  # nothing to stall: whole chunks
+        assert budget.tokens_for_tick(num_decoding, MAX_CHUNK) == MAX_CHUNK  # a short turn: whole
+        assert budget.tokens_for_tick(num_decoding, 0) == budget.tokens_for_tick(num_decoding, LONG_PROMPT)
     if ratio == 0:
-        assert budget.tokens_for_tick(num_decoding) == MAX_CHUNK
+        assert budget.tokens_for_tick(num_decoding, LONG_PROMPT) == MAX_CHUNK
 
 
 @given(
@@ -56,9 +59,9 @@ def test_the_chunk_settles_where_prefill_takes_the_ratio_of_a_decode_step(
     budget = PrefillBudget(MAX_CHUNK, ratio)
     budget.observe(decode_s, 4, 0)
     for _ in range(200):
-        chunk = budget.tokens_for_tick(4)
+        chunk = budget.tokens_for_tick(4, LONG_PROMPT)
         budget.observe(decode_s + overhead_s + chunk * token_s, 4, chunk)
-    chunk = budget.tokens_for_tick(4)
+    chunk = budget.tokens_for_tick(4, LONG_PROMPT)
     prefill_s = overhead_s + chunk * token_s
     target_s = ratio * decode_s
     if MIN_CHUNK_TOKENS < chunk < MAX_CHUNK:
@@ -123,3 +126,33 @@ async def test_a_running_stream_keeps_decoding_while_a_long_prompt_prefills(engi
     assert tokens_during_prefill > 2 * whole_chunks, (tokens_during_prefill, len(long_prompt))
     # Prefilled in chunks of changing sizes, the reply is still mlx-lm's own greedy one.
     assert arrival_tokens == await engine.ask(ReferenceGenerate(long_prompt, 8))
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_short_turn_is_prefilled_whole_while_a_stream_decodes(engine: Engine) -> None:
+    counting = list(engine.model.tokenizer.encode(", ".join(str(i) for i in range(1, 21)) + ","))
+    short_prompt = chat(engine, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 60)
+    assert 2 * MIN_CHUNK_TOKENS < len(short_prompt) <= MAX_CHUNK
+    runner = engine.submit(GenerationRequest("runner-2", counting, SamplingParams(max_tokens=2000)))
+    async for event in runner:
+        if isinstance(event, TokenDelta):
+            break  # decoding
+    arrival = engine.submit(GenerationRequest("short-turn", short_prompt, SamplingParams(max_tokens=4)))
+    started = first_token = False
+    tokens_during_prefill = 0
+
+    async def follow_arrival() -> None:
+        nonlocal started, first_token
+        async for event in arrival:
+            started = started or isinstance(event, PromptStarted)
+            first_token = first_token or isinstance(event, TokenDelta)
+        runner.cancel()
+
+    follower = asyncio.create_task(follow_arrival())
+    async for event in runner:
+        if isinstance(event, TokenDelta) and started and not first_token:
+            tokens_during_prefill += len(event.token_ids)
+    await follower
+    # One step prefills the whole turn (the runner decodes once in it) and the next samples its first
+    # token; small chunks would have given the runner a token per chunk.
+    assert tokens_during_prefill <= 3, tokens_during_prefill
