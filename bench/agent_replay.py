@@ -312,13 +312,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--agents", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--prefill-stall-ratio", help="semantic's --prefill-stall-ratio (default: its own)")
+    parser.add_argument("--output", default="agent_replay", help="results file name, without .json")
     args = parser.parse_args()
+    ratio = ("--prefill-stall-ratio", args.prefill_stall_ratio) if args.prefill_stall_ratio else ()
     model_dir = ensure_default_model()
     results: dict[str, dict[str, Any]] = {"semantic": {}, "mlx_lm.server": {}}
     with tempfile.TemporaryDirectory() as scratch:
         for n in args.agents:
             servers: list[Server] = [
-                Semantic(model_dir, Path(scratch) / f"semantic-{n}"),
+                Semantic(model_dir, Path(scratch) / f"semantic-{n}", *ratio),
                 MlxLmServer(model_dir, Path(scratch) / "logs", REPLY_TOKENS),
             ]
             for server in servers:
@@ -328,10 +331,15 @@ def main() -> None:
                 print(json.dumps(figures), file=sys.stderr, flush=True)
     plots = plot(results, args.agents)
     write_results(
-        "agent_replay",
+        args.output,
         {
             "model": model_dir.name,
-            "workload": {"agents": args.agents, "turns": args.turns, "reply_tokens": REPLY_TOKENS},
+            "workload": {
+                "agents": args.agents,
+                "turns": args.turns,
+                "reply_tokens": REPLY_TOKENS,
+                "semantic_prefill_stall_ratio": args.prefill_stall_ratio or "default",
+            },
             "comparison": compare(results, args.agents),
             "plots": [str(p.relative_to(ROOT)) for p in plots],
             "servers": results,

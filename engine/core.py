@@ -141,6 +141,7 @@ class EngineCore:
             self._scheduler.admit(runtime, self.config, self._outbox, now)
             if len(runtime.batch):
                 runtime.batch.step(chunk)
+        self._update_stats()  # before the events: a client that saw its reply end sees it in the stats
         self._flush()
         if runtime is not None:
             runtime.batch.keep_caches()  # after the events are out: it waits on the step MLX queued
