@@ -30,11 +30,16 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 
 @pytest.fixture(scope="module")
-def runtime(default_model_dir: Path, loop: asyncio.AbstractEventLoop) -> Runtime:
+def outbox(loop: asyncio.AbstractEventLoop) -> Outbox:
+    return Outbox(loop)
+
+
+@pytest.fixture(scope="module")
+def runtime(default_model_dir: Path, outbox: Outbox) -> Runtime:
     if mx.default_device() != mx.cpu:
         pytest.skip("the first token is taken early only where MLX runs the step before `next()` returns")
     config = EngineConfig(model=str(default_model_dir), cache_budget_mb=64)
-    return Runtime.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), Outbox(loop))
+    return Runtime.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox)
 
 
 def chat(runtime: Runtime, text: str) -> list[int]:
@@ -43,7 +48,7 @@ def chat(runtime: Runtime, text: str) -> list[int]:
 
 
 def steps_until_finished(
-    runtime: Runtime, loop: asyncio.AbstractEventLoop, prompt: list[int], max_tokens: int
+    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop, prompt: list[int], max_tokens: int
 ) -> list[list[Event]]:
     """Insert one request, step until it finishes; the events each step delivered."""
     channel = EventChannel(loop)
@@ -57,7 +62,7 @@ def steps_until_finished(
         runtime.batch.step()
         runtime.batch.flush()
         runtime.batch.keep_caches()
-        runtime.batch._outbox.flush()
+        outbox.flush()
         loop.run_until_complete(asyncio.sleep(0))  # deliver what the step posted
         delivered = []
         while not channel.queue.empty():
@@ -67,10 +72,10 @@ def steps_until_finished(
 
 
 def test_the_first_token_is_posted_in_the_step_that_runs_the_last_prompt_token(
-    runtime: Runtime, loop: asyncio.AbstractEventLoop
+    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop
 ) -> None:
     prompt = chat(runtime, "Name a fruit.")
-    per_step = steps_until_finished(runtime, loop, prompt, 6)
+    per_step = steps_until_finished(runtime, outbox, loop, prompt, 6)
     first = next(i for i, events in enumerate(per_step) if any(isinstance(e, TokenDelta) for e in events))
     # Step 0 prefills all but the last prompt token; step 1 runs that token and samples the first.
     assert first == 1
@@ -82,10 +87,10 @@ def test_the_first_token_is_posted_in_the_step_that_runs_the_last_prompt_token(
 
 
 def test_a_reply_of_one_token_is_posted_once_and_then_finishes(
-    runtime: Runtime, loop: asyncio.AbstractEventLoop
+    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop
 ) -> None:
     prompt = chat(runtime, "Say hi.")
-    per_step = steps_until_finished(runtime, loop, prompt, 1)
+    per_step = steps_until_finished(runtime, outbox, loop, prompt, 1)
     tokens = [t for events in per_step for e in events if isinstance(e, TokenDelta) for t in e.token_ids]
     assert len(tokens) == 1
     # Its reservation went back to the pool once its cache was kept: only cached agents hold blocks.
