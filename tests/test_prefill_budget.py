@@ -126,33 +126,3 @@ async def test_a_running_stream_keeps_decoding_while_a_long_prompt_prefills(engi
     assert tokens_during_prefill > 2 * whole_chunks, (tokens_during_prefill, len(long_prompt))
     # Prefilled in chunks of changing sizes, the reply is still mlx-lm's own greedy one.
     assert arrival_tokens == await engine.ask(ReferenceGenerate(long_prompt, 8))
-
-
-@pytest.mark.asyncio(loop_scope="module")
-async def test_a_short_turn_is_prefilled_whole_while_a_stream_decodes(engine: Engine) -> None:
-    counting = list(engine.model.tokenizer.encode(", ".join(str(i) for i in range(1, 21)) + ","))
-    short_prompt = chat(engine, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 60)
-    assert 2 * MIN_CHUNK_TOKENS < len(short_prompt) <= MAX_CHUNK
-    runner = engine.submit(GenerationRequest("runner-2", counting, SamplingParams(max_tokens=2000)))
-    async for event in runner:
-        if isinstance(event, TokenDelta):
-            break  # decoding
-    arrival = engine.submit(GenerationRequest("short-turn", short_prompt, SamplingParams(max_tokens=4)))
-    started = first_token = False
-    tokens_during_prefill = 0
-
-    async def follow_arrival() -> None:
-        nonlocal started, first_token
-        async for event in arrival:
-            started = started or isinstance(event, PromptStarted)
-            first_token = first_token or isinstance(event, TokenDelta)
-        runner.cancel()
-
-    follower = asyncio.create_task(follow_arrival())
-    async for event in runner:
-        if isinstance(event, TokenDelta) and started and not first_token:
-            tokens_during_prefill += len(event.token_ids)
-    await follower
-    # One step prefills the whole turn (the runner decodes once in it) and the next samples its first
-    # token; small chunks would have given the runner a token per chunk.
-    assert tokens_during_prefill <= 3, tokens_during_prefill
