@@ -128,13 +128,18 @@ def cache_views(generator: BatchGenerator, uid: int) -> list[KVCache] | None:
     for layer in batch.prompt_cache:
         if type(layer) is not BatchKVCache or layer.keys is None:
             return None
-        padding = int(layer.left_padding[index].item())
-        view = KVCache()
-        view.keys = layer.keys[index : index + 1, :, padding : layer._idx]
-        view.values = layer.values[index : index + 1, :, padding : layer._idx]
-        view.offset = layer._idx - padding
-        views.append(view)
+        views.append(_sequence_view(layer, index))
     return views
+
+
+def _sequence_view(layer: Any, index: int) -> KVCache:
+    """Sequence `index` of a BatchKVCache as a KVCache viewing its arrays: what `extract` copies."""
+    padding = int(layer.left_padding[index].item())
+    view = KVCache()
+    view.keys = layer.keys[index : index + 1, :, padding : layer._idx]
+    view.values = layer.values[index : index + 1, :, padding : layer._idx]
+    view.offset = layer._idx - padding
+    return view
 
 
 def check_generator(generator: Any) -> None:
@@ -210,11 +215,13 @@ def check_batch_cache_views() -> None:
         batch: Any = BatchKVCache(left_padding=[2, 0])
         keys = mx.arange(2 * 1 * 5 * 2, dtype=mx.float32).reshape(2, 1, 5, 2)
         batch.update_and_fetch(keys, keys + 100)
-        extracted = batch.extract(0)
-        padding = int(batch.left_padding[0].item())
-        view = batch.keys[0:1, :, padding : batch._idx]
-        values = batch.values[0:1, :, padding : batch._idx]
-        return bool(mx.array_equal(view, extracted.keys)) and bool(mx.array_equal(values, extracted.values))
+        extracted, view = batch.extract(0), _sequence_view(batch, 0)
+        assert view.keys is not None and view.values is not None
+        return (
+            view.offset == extracted.offset
+            and bool(mx.array_equal(view.keys, extracted.keys))
+            and bool(mx.array_equal(view.values, extracted.values))
+        )
 
     _require(
         "BatchKVCache keeps `keys`, `values`, `left_padding` and `_idx`, and extract(i) copies "
