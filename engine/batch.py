@@ -59,6 +59,7 @@ class Batch:
         # work; MLX's CPU backend runs that step before the call returns, so there a first token
         # would wait a whole step for nothing: take it as soon as it exists.
         self._takes_first_tokens_early = stream.device == mx.cpu
+        self._eos_token_ids = loaded.eos_token_ids
         self.prefill_budget = PrefillBudget(config.num_tokens_per_prefill_step, config.prefill_stall_ratio)
         self.running: dict[int, Sequence] = {}
         # Cache copies wait until the tick's events are posted (`keep_caches`): reading a cache out of
@@ -85,9 +86,11 @@ class Batch:
         return mlx_seams.num_generating(self._generator)
 
     def _new_generator(self) -> BatchGenerator:
+        # No stop tokens and (at insert) a token limit past the request's: the batch ends every
+        # sequence itself (`_end`), reading its cache as views rather than as the copy of the whole
+        # sequence that the generator makes of the sequences it ends.
         return BatchGenerator(
             self._loaded.model,
-            stop_tokens=[[t] for t in self._loaded.eos_token_ids],
             completion_batch_size=self._config.max_batch_size,
             prefill_batch_size=self._config.num_prefilled_together,
             prefill_step_size=self._config.num_tokens_per_prefill_step,
@@ -110,7 +113,7 @@ class Batch:
             sampler = make_sampler(request.sampling, self._loaded.vocab_size)
             (uid,) = self._generator.insert(
                 [request.prompt_tokens[prepared.num_cached_tokens :]],
-                max_tokens=[request.sampling.max_tokens],
+                max_tokens=[request.sampling.max_tokens + 1],
                 caches=[prepared.caches],
                 all_tokens=[list(request.prompt_tokens[: prepared.num_cached_tokens])],
                 samplers=[sampler],  # type: ignore[list-item]
@@ -185,18 +188,17 @@ class Batch:
             else:
                 assert running.early_token == response.token, "an early first token changed: engine bug"
                 running.early_token = None
-            if response.finish_reason is not None:
-                reason = FinishReason.LENGTH if response.finish_reason == "length" else FinishReason.STOP
-                self._finish(response.uid, reason, (response.prompt_cache, response.all_tokens))
-            elif running.text.stop_hit is not None:
-                self._finish_at_stop_string(response.uid)
+            if response.finish_reason is not None:  # the generator's own limit: not reached
+                self._finish(response.uid, FinishReason.LENGTH, (response.prompt_cache, response.all_tokens))
+            elif (reason := self._end_reason(running)) is not None:
+                self._end(response.uid, reason)
         if self._takes_first_tokens_early and ended_prompts:
             for uid, token in mlx_seams.first_tokens(generator, ended_prompts).items():
                 running = self.running[uid]  # it cannot have ended since its prompt did, this step
                 running.early_token = token
                 self._take_token(running, token)
-                if running.text.stop_hit is not None:
-                    self._finish_at_stop_string(uid)
+                if (reason := self._end_reason(running)) is not None:
+                    self._end(uid, reason)
 
     def _take_token(self, running: Sequence, token: int) -> None:
         running.generated_token_ids.append(token)
@@ -204,9 +206,27 @@ class Batch:
         self._stats.num_generated_tokens += 1
         running.outbox.append(TokenDelta([token], running.text.add_token(token)))
 
-    def _finish_at_stop_string(self, uid: int) -> None:
-        removed = self._generator.remove([uid], return_prompt_caches=True)
-        self._finish(uid, FinishReason.STOP, removed.get(uid))
+    def _end_reason(self, running: Sequence) -> FinishReason | None:
+        """Why a sequence ends with the token it just took, if it does."""
+        if running.text.stop_hit is not None or running.generated_token_ids[-1] in self._eos_token_ids:
+            return FinishReason.STOP
+        if len(running.generated_token_ids) >= running.request.sampling.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _end(self, uid: int, reason: FinishReason) -> None:
+        """Take a sequence out of the generator, its cache as views into the batch's arrays: only
+        the blocks the pool lacks are then copied (mostly the reply's), not the whole history."""
+        views = mlx_seams.cache_views(self._generator, uid)
+        if views is None:
+            removed = self._generator.remove([uid], return_prompt_caches=True)
+            self._finish(uid, reason, removed.get(uid))
+            return
+        self._generator.remove([uid])
+        running = self.running[uid]
+        # The cache holds every token fed to the model so far: the last one taken may not be yet.
+        tokens = [*running.request.prompt_tokens, *running.generated_token_ids][: views[0].offset]
+        self._finish(uid, reason, (views, tokens))
 
     def cancel(self, request_id: str) -> bool:
         for uid, running in self.running.items():

@@ -9,92 +9,13 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
-import mlx.core as mx
-import pytest
-
-from semantic.engine.commands import Submit
-from semantic.engine.config import EngineConfig, EngineStats
-from semantic.engine.messages import Event, EventChannel, Finished, GenerationRequest, TokenDelta
+from semantic.engine.messages import Finished, TokenDelta
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
-from semantic.engine.sampling import SamplingParams
+from tests.batch_driver import chat, deliver, has_token, loop, outbox, runtime, steps_until_finished, submit
 
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def outbox(loop: asyncio.AbstractEventLoop) -> Outbox:
-    return Outbox(loop)
-
-
-@pytest.fixture(scope="module")
-def runtime(default_model_dir: Path, outbox: Outbox) -> Runtime:
-    if mx.default_device() != mx.cpu:
-        pytest.skip("the first token is taken early only where MLX runs the step before `next()` returns")
-    config = EngineConfig(model=str(default_model_dir), cache_budget_mb=256)
-    return Runtime.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox)
-
-
-def chat(runtime: Runtime, text: str) -> list[int]:
-    messages = [{"role": "user", "content": text}]
-    return list(runtime.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-
-
-def deliver(runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop) -> None:
-    """One engine tick's work after `step`, then the loop runs what it posted."""
-    runtime.batch.flush()
-    runtime.batch.keep_caches()
-    outbox.flush()
-    loop.run_until_complete(asyncio.sleep(0))
-
-
-def submit(runtime: Runtime, loop: asyncio.AbstractEventLoop, prompt: list[int], max_tokens: int) -> Submit:
-    submit = Submit(
-        GenerationRequest(uuid.uuid4().hex, prompt, SamplingParams(max_tokens=max_tokens, temperature=0)),
-        EventChannel(loop),
-    )
-    needed = runtime.loaded.spec.num_blocks_for(len(prompt) + max_tokens)
-    runtime.batch.insert(submit, runtime.pool.allocate(needed))
-    return submit
-
-
-def has_token(submit: Submit) -> bool:
-    events = []
-    while not submit.events.queue.empty():
-        events.append(submit.events.queue.get_nowait())
-    return any(isinstance(e, TokenDelta) for e in events)
-
-
-def steps_until_finished(
-    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop, prompt: list[int], max_tokens: int
-) -> list[list[Event]]:
-    """Insert one request, step until it finishes; the events each step delivered."""
-    channel = EventChannel(loop)
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0)
-    request = GenerationRequest(uuid.uuid4().hex, prompt, sampling)
-    needed = runtime.loaded.spec.num_blocks_for(len(prompt) + max_tokens)
-    runtime.batch.insert(Submit(request, channel), runtime.pool.allocate(needed))
-    per_step: list[list[Event]] = []
-    while not any(isinstance(e, Finished) for events in per_step for e in events):
-        assert len(per_step) < max_tokens + 4, "the request did not finish"
-        runtime.batch.step()
-        runtime.batch.flush()
-        runtime.batch.keep_caches()
-        outbox.flush()
-        loop.run_until_complete(asyncio.sleep(0))  # deliver what the step posted
-        delivered = []
-        while not channel.queue.empty():
-            delivered.append(channel.queue.get_nowait())
-        per_step.append(delivered)
-    return per_step
+__all__ = ["loop", "outbox", "runtime"]  # fixtures
 
 
 def test_the_first_token_is_posted_in_the_step_that_runs_the_last_prompt_token(

@@ -1,0 +1,97 @@
+"""A real Batch on the real model, driven one step at a time by the test (no engine thread).
+
+Fixtures and helpers shared by the tests that step a batch by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from semantic.engine.commands import Submit
+from semantic.engine.config import EngineConfig, EngineStats
+from semantic.engine.messages import Event, EventChannel, Finished, GenerationRequest, TokenDelta
+from semantic.engine.outbox import Outbox
+from semantic.engine.runtime import Runtime
+from semantic.engine.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def outbox(loop: asyncio.AbstractEventLoop) -> Outbox:
+    return Outbox(loop)
+
+
+@pytest.fixture(scope="module")
+def runtime(default_model_dir: Path, outbox: Outbox) -> Runtime:
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the first token is taken early only where MLX runs the step before `next()` returns")
+    config = EngineConfig(model=str(default_model_dir), cache_budget_mb=256)
+    return Runtime.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox)
+
+
+def chat(runtime: Runtime, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    return list(runtime.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def deliver(runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop) -> None:
+    """One engine tick's work after `step`, then the loop runs what it posted."""
+    runtime.batch.flush()
+    runtime.batch.keep_caches()
+    outbox.flush()
+    loop.run_until_complete(asyncio.sleep(0))
+
+
+def submit(
+    runtime: Runtime,
+    loop: asyncio.AbstractEventLoop,
+    prompt: list[int],
+    max_tokens: int,
+    agent_id: str | None = None,
+) -> Submit:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0)
+    submit = Submit(GenerationRequest(uuid.uuid4().hex, prompt, sampling, agent_id), EventChannel(loop))
+    needed = runtime.loaded.spec.num_blocks_for(len(prompt) + max_tokens)
+    runtime.batch.insert(submit, runtime.pool.allocate(needed))
+    return submit
+
+
+def has_token(submit: Submit) -> bool:
+    events = []
+    while not submit.events.queue.empty():
+        events.append(submit.events.queue.get_nowait())
+    return any(isinstance(e, TokenDelta) for e in events)
+
+
+def steps_until_finished(
+    runtime: Runtime,
+    outbox: Outbox,
+    loop: asyncio.AbstractEventLoop,
+    prompt: list[int],
+    max_tokens: int,
+    agent_id: str | None = None,
+) -> list[list[Event]]:
+    """Insert one request, step until it finishes; the events each step delivered."""
+    channel = submit(runtime, loop, prompt, max_tokens, agent_id).events
+    per_step: list[list[Event]] = []
+    while not any(isinstance(e, Finished) for events in per_step for e in events):
+        assert len(per_step) < max_tokens + 4, "the request did not finish"
+        runtime.batch.step()
+        deliver(runtime, outbox, loop)
+        delivered = []
+        while not channel.queue.empty():
+            delivered.append(channel.queue.get_nowait())
+        per_step.append(delivered)
+    return per_step
