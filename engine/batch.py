@@ -25,6 +25,7 @@ from semantic.engine.lockstep import next_digest
 from semantic.engine.messages import (
     Finished,
     FinishReason,
+    GenerationRequest,
     PromptProgress,
     PromptStarted,
     TokenDelta,
@@ -32,7 +33,7 @@ from semantic.engine.messages import (
 from semantic.engine.outbox import Outbox
 from semantic.engine.prefill_budget import PrefillBudget
 from semantic.engine.sampling import make_sampler
-from semantic.engine.sequence import FinishedCache, Sequence
+from semantic.engine.sequence import FinishedCache, Sequence, SetAside
 from semantic.engine.text_stream import TextStream
 
 
@@ -111,14 +112,8 @@ class Batch:
             if request.cache_tier_hint and prepared.num_cached_tokens:
                 prepared.tier = request.cache_tier_hint
             sampler = make_sampler(request.sampling, self._loaded.vocab_size)
-            (uid,) = self._generator.insert(
-                [request.prompt_tokens[prepared.num_cached_tokens :]],
-                max_tokens=[request.sampling.max_tokens + 1],
-                caches=[prepared.caches],
-                all_tokens=[list(request.prompt_tokens[: prepared.num_cached_tokens])],
-                samplers=[sampler],  # type: ignore[list-item]
-                logits_processors=[[request.grammar] if request.grammar is not None else []],
-            )
+            processors = [request.grammar] if request.grammar is not None else []
+            uid = self._insert(request, prepared.num_cached_tokens, prepared.caches, sampler, processors)
         except BaseException:
             self._pool.free(reserved)
             raise
@@ -127,7 +122,15 @@ class Batch:
             self._loaded.tokenizer.detokenizer, request.sampling.stop, self._loaded.eos_token_ids
         )
         self.running[uid] = Sequence(
-            request, submit.events, agent_id, text, reserved, prepared.num_cached_tokens
+            request,
+            submit.events,
+            agent_id,
+            text,
+            reserved,
+            prepared.num_cached_tokens,
+            queued_at=submit.queued_at,
+            sampler=sampler,
+            logits_processors=processors,
         )
         self._stats.num_prompt_tokens += len(request.prompt_tokens)
         self._stats.num_cached_tokens += prepared.num_cached_tokens
@@ -136,11 +139,66 @@ class Batch:
             PromptStarted(len(request.prompt_tokens), prepared.num_cached_tokens, prepared.tier),
         )
 
+    def _insert(
+        self,
+        request: GenerationRequest,
+        num_cached: int,
+        caches: list[Any],
+        sampler: Any,
+        processors: list[Any],
+    ) -> int:
+        """Hand the generator the prompt past its first `num_cached` tokens (which `caches` hold)."""
+        prompt = request.prompt_tokens
+        (uid,) = self._generator.insert(
+            [prompt[num_cached:]],
+            max_tokens=[request.sampling.max_tokens + 1],
+            caches=[caches],
+            all_tokens=[list(prompt[:num_cached])],
+            samplers=[sampler],
+            logits_processors=[processors],
+        )
+        return int(uid)
+
+    def lone_prefill(self) -> tuple[int, Sequence] | None:
+        """The prompt part-way through its prefill, if it is the only prompt the batch holds."""
+        prefilling = [(uid, s) for uid, s in self.running.items() if s.is_prefilling]
+        if len(prefilling) != 1 or prefilling[0][1].num_left_to_prefill is None:
+            return None
+        return prefilling[0]
+
+    def set_aside(self, uid: int) -> SetAside | None:
+        """Take a prompt out of the generator part-way through its prefill, with the cache it has so
+        far; None where its cache cannot be read as views (then it stays)."""
+        views = mlx_seams.cache_views(self._generator, uid)
+        if views is None:
+            return None
+        self._generator.remove([uid])
+        return SetAside(self.running.pop(uid), views)
+
+    def resume(self, aside: SetAside) -> None:
+        """Insert a set-aside prompt again, behind the prompts inserted since; it goes on from its cache."""
+        sequence = aside.sequence
+        num_in_cache = aside.layer_caches[0].offset
+        try:
+            caches, processors = aside.layer_caches, sequence.logits_processors
+            uid = self._insert(sequence.request, num_in_cache, caches, sequence.sampler, processors)
+        except Exception as error:
+            logger.exception("could not resume request {}", sequence.request.request_id)
+            self._release(sequence)
+            failure = EngineError(f"resuming the prefill failed: {error}")
+            self._outbox.post_many(sequence.events, [*sequence.outbox, failure])
+            return
+        sequence.prefill_offset = num_in_cache - sequence.num_cached_tokens
+        sequence.num_left_to_prefill = len(sequence.request.prompt_tokens) - num_in_cache
+        self.running[uid] = sequence
+
     def next_chunk(self) -> int:
-        """The prompt tokens the next step may prefill (the budget's choice for what decodes now)."""
-        prefilling = (s.num_uncached_tokens for s in self.running.values() if s.is_prefilling)
+        """The prompt tokens the next step may prefill (the budget's choice for what decodes now), for
+        the prompts it will prefill: the first inserted, as many as are prefilled together."""
+        prefilling = [s.num_uncached_tokens for s in self.running.values() if s.is_prefilling]
         return self.prefill_budget.tokens_for_tick(
-            mlx_seams.num_generating(self._generator), max(prefilling, default=0)
+            mlx_seams.num_generating(self._generator),
+            max(prefilling[: self._config.num_prefilled_together], default=0),
         )
 
     def step(self, chunk: int | None = None) -> None:
@@ -177,7 +235,9 @@ class Batch:
                 ended_prompts.append(progress.uid)
             else:
                 done, total = progress.progress
-                prefilling.outbox.append(PromptProgress(done, total))
+                prefilling.num_left_to_prefill = total - done
+                offset = prefilling.prefill_offset
+                prefilling.outbox.append(PromptProgress(done + offset, total + offset))
         self._prefilled_uids += ended_prompts
         for response in generation_responses:
             running = self.running.get(response.uid)

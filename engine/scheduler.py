@@ -1,8 +1,9 @@
 """Requests waiting for a batch slot, and which of them join the batch at each tick.
 
-A new prompt batch starts only once the last one is prefilled; waiting requests go in by the
-tokens they still have to prefill, fewest first, and each joins with its KV blocks reserved up
-front (idle agents' caches are evicted, least recently used first, to make room; the caches of
+A new prompt batch starts only once the last one is prefilled, except that a short turn (one
+prefill chunk) overtakes a lone long prompt part-way through its prefill; waiting requests go in
+by the tokens they still have to prefill, fewest first, and each joins with its KV blocks reserved
+up front (idle agents' caches are evicted, least recently used first, to make room; the caches of
 queued requests are spared while anything runs).
 """
 
@@ -20,6 +21,7 @@ from semantic.engine.errors import ModelChangedError
 from semantic.engine.messages import GenerationRequest
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
+from semantic.engine.sequence import SetAside
 
 
 class Scheduler:
@@ -50,14 +52,26 @@ class Scheduler:
         `now` (monotonic seconds) decides which requests waited too long; in a group, rank 0's."""
         batch = runtime.batch
         slots = min(config.max_batch_size - len(batch), config.num_prefilled_together)
-        # Holding prompts while a batch prefills also lets the order below pick among all that arrived.
-        if not self.waiting or slots <= 0 or batch.is_prefilling:
+        if not self.waiting or slots <= 0:
             return
-        pool = runtime.pool
-        spec = runtime.loaded.spec
-        for submit in self._admission_order(
-            runtime.store, config.shortest_first_max_wait_s, time.monotonic() if now is None else now
-        ):
+        now = time.monotonic() if now is None else now
+        aside = None
+        # Holding prompts while a batch prefills also lets the order below pick among all that arrived.
+        if batch.is_prefilling:
+            aside = self._set_aside_for_a_short_turn(runtime, config, now)
+            if aside is None:
+                return
+        try:
+            self._admit_in_order(runtime, config, outbox, now, slots)
+        finally:
+            if aside is not None:
+                batch.resume(aside)
+
+    def _admit_in_order(
+        self, runtime: Runtime, config: EngineConfig, outbox: Outbox, now: float, slots: int
+    ) -> None:
+        batch, pool, spec = runtime.batch, runtime.pool, runtime.loaded.spec
+        for submit in self._admission_order(runtime.store, config.shortest_first_max_wait_s, now):
             if slots <= 0:
                 return
             request = submit.request
@@ -84,6 +98,30 @@ class Scheduler:
             except Exception as error:
                 logger.exception("request {} failed at admission", request.request_id)
                 outbox.post(submit.events, error)
+
+    def _set_aside_for_a_short_turn(
+        self, runtime: Runtime, config: EngineConfig, now: float
+    ) -> SetAside | None:
+        """Set aside the lone prompt part-way through a long prefill when the next waiting request is
+        a short turn (its uncached part fits one prefill chunk), which would otherwise wait for every
+        chunk of it: a returning agent's turn behind a cold 30K-token history waits a minute here.
+        The long prompt goes back in behind the turn and carries on from the cache it has; once it has
+        waited `shortest_first_max_wait_s` nothing overtakes it."""
+        lone = runtime.batch.lone_prefill()
+        if lone is None:
+            return None
+        uid, prefilling = lone
+        chunk, max_wait_s = config.num_tokens_per_prefill_step, config.shortest_first_max_wait_s
+        if (prefilling.num_left_to_prefill or 0) <= chunk or now - prefilling.queued_at >= max_wait_s:
+            return None
+        first = self._admission_order(runtime.store, max_wait_s, now)[0]
+        if _uncached(runtime.store, first) > chunk:
+            return None
+        request = first.request
+        needed = runtime.loaded.spec.num_blocks_for(len(request.prompt_tokens) + request.sampling.max_tokens)
+        if needed > runtime.pool.num_blocks or self._make_room(runtime, request, needed) is None:
+            return None  # it could not go in now: the long prompt keeps its place
+        return runtime.batch.set_aside(uid)
 
     @property
     def queued_agent_ids(self) -> set[str]:
@@ -136,10 +174,11 @@ class Scheduler:
         ahead in arrival order, so none waits forever."""
         overdue = [s for s in self.waiting if now - s.queued_at >= max_wait_s]
         rest = [s for s in self.waiting if now - s.queued_at < max_wait_s]
+        return overdue + sorted(rest, key=lambda submit: _uncached(store, submit))
 
-        def uncached(submit: Submit) -> int:
-            request = submit.request
-            prompt = request.prompt_tokens
-            return len(prompt) - store.num_reusable(request.agent_id, prompt, request.cache_salt)
 
-        return overdue + sorted(rest, key=uncached)
+def _uncached(store: AgentCacheStore, submit: Submit) -> int:
+    """The prompt tokens a waiting request would prefill if it went in now."""
+    request = submit.request
+    prompt = request.prompt_tokens
+    return len(prompt) - store.num_reusable(request.agent_id, prompt, request.cache_salt)

@@ -22,10 +22,24 @@ class Sequence:
     published_block_ids: list[int] = field(default_factory=list)  # its prompt's blocks, shared early
     early_token: int | None = None  # its first token, taken before the generator returns it
     is_prefilling: bool = True  # until the generator has run its whole prompt
+    queued_at: float = 0.0  # when its request was queued (monotonic; in a group, rank 0's clock)
+    sampler: Any = None  # what it was inserted with, to insert it again after it was set aside
+    logits_processors: list[Any] = field(default_factory=list)
+    num_left_to_prefill: int | None = None  # by the generator's last progress report (None: none yet)
+    prefill_offset: int = 0  # uncached prompt tokens already prefilled when it was last inserted
 
     @property
     def num_uncached_tokens(self) -> int:
         return len(self.request.prompt_tokens) - self.num_cached_tokens
+
+
+@dataclass(slots=True)
+class SetAside:
+    """A prompt taken out of the generator part-way through its prefill, with the cache it has so far
+    (views into the generator's arrays), to be inserted again behind a shorter turn."""
+
+    sequence: Sequence
+    layer_caches: list[Any]
 
 
 @dataclass(slots=True)
