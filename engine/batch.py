@@ -1,8 +1,10 @@
 """The running sequences: each joins mlx-lm's BatchGenerator, gets its tokens each step, and ends.
 
-A sequence ends when the generator finishes it, at a stop string, when cancelled, or failed with
-the rest of the batch. On a normal end its cache is kept in the agent cache store; every end frees
-its reserved blocks and posts its last events.
+The batch ends every sequence itself: at a stop token, its token limit or a stop string, when
+cancelled, or failed with the rest of the batch. On a normal end its cache is kept in the agent
+cache store (`cache_keeper.py`); every end frees its reserved blocks and posts its last events.
+A prompt part-way through its prefill can be set aside with its cache and inserted again behind
+a shorter turn (the scheduler decides when).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from mlx_lm.generate import BatchGenerator
 from semantic.engine import mlx_seams
 from semantic.engine.agent_cache import AgentCacheStore
 from semantic.engine.block_pool import BlockPool
+from semantic.engine.cache_keeper import CacheKeeper
 from semantic.engine.commands import Submit
 from semantic.engine.config import EngineConfig, EngineStats
 from semantic.engine.errors import EngineError
@@ -63,10 +66,7 @@ class Batch:
         self._eos_token_ids = loaded.eos_token_ids
         self.prefill_budget = PrefillBudget(config.num_tokens_per_prefill_step, config.prefill_stall_ratio)
         self.running: dict[int, Sequence] = {}
-        # Cache copies wait until the tick's events are posted (`keep_caches`): reading a cache out of
-        # the generator waits for the step it already queued, and a first token should not.
-        self._prefilled_uids: list[int] = []
-        self._finished_caches: list[FinishedCache] = []
+        self._keeper = CacheKeeper(loaded.spec, store, pool)  # after the tick's events (`keep_caches`)
         self.token_digest = 0  # of every token generated, in order: ranks of a group compare it
 
     def __len__(self) -> int:
@@ -184,7 +184,7 @@ class Batch:
             uid = self._insert(sequence.request, num_in_cache, caches, sequence.sampler, processors)
         except Exception as error:
             logger.exception("could not resume request {}", sequence.request.request_id)
-            self._release(sequence)
+            self._keeper.release(sequence)
             failure = EngineError(f"resuming the prefill failed: {error}")
             self._outbox.post_many(sequence.events, [*sequence.outbox, failure])
             return
@@ -238,7 +238,7 @@ class Batch:
                 prefilling.num_left_to_prefill = total - done
                 offset = prefilling.prefill_offset
                 prefilling.outbox.append(PromptProgress(done + offset, total + offset))
-        self._prefilled_uids += ended_prompts
+        self._keeper.prompts_prefilled(ended_prompts)
         for response in generation_responses:
             running = self.running.get(response.uid)
             if running is None:
@@ -310,7 +310,7 @@ class Batch:
         num_failed = len(self.running)
         for uid in list(self.running):
             running = self.running.pop(uid)
-            self._release(running)
+            self._keeper.release(running)
             self._outbox.post_many(running.events, [*running.outbox, error])
         return num_failed
 
@@ -324,44 +324,7 @@ class Batch:
     def keep_caches(self) -> None:
         """Share the blocks of prompts prefilled this tick and keep the caches of sequences that
         ended; the engine calls it once the tick's events are posted."""
-        prefilled, self._prefilled_uids = self._prefilled_uids, []
-        for uid in prefilled:
-            running = self.running.get(uid)
-            if running is None:  # ended, cancelled or failed since
-                continue
-            if running.generated_token_ids:
-                self._publish_prompt(uid, running)
-            else:  # reading its cache would wait for the step computing its first token
-                self._prefilled_uids.append(uid)
-        finished, self._finished_caches = self._finished_caches, []
-        for ended in finished:
-            self._keep(ended)
-            self._release(ended.sequence)
-
-    def _publish_prompt(self, uid: int, running: Sequence) -> None:
-        """Share a prompt's full blocks once it is prefilled, not when its reply ends: agents that
-        arrive together with one system prompt then prefill it once, not once each."""
-        spec = self._loaded.spec
-        prompt = running.request.prompt_tokens
-        num_blocks = (len(prompt) - 1) // spec.block_size  # blocks whose tokens are all in the cache by now
-        if num_blocks <= running.num_cached_tokens // spec.block_size or spec.has_sliding_layers:
-            return
-        # Views copy only the blocks the pool lacks; a whole extracted cache would be copied first.
-        layer_caches = mlx_seams.cache_views(self._generator, uid)
-        if layer_caches is None:
-            extracted = self._generator.extract_cache([uid]).get(uid)
-            if extracted is None:
-                return
-            layer_caches = extracted[0]
-        try:
-            running.published_block_ids = self._store.publish_prefix(
-                prompt[: num_blocks * spec.block_size],
-                layer_caches,
-                running.reserved_block_ids,
-                running.request.cache_salt,
-            )
-        except Exception:
-            logger.exception("could not share the prompt blocks of request {}", running.request.request_id)
+        self._keeper.keep(self._generator, self.running)
 
     def _finish(self, uid: int, reason: FinishReason, cache: tuple[Any, Any] | None = None) -> None:
         """End a sequence the generator no longer holds and post its last events; its cache (layer
@@ -371,9 +334,9 @@ class Batch:
         if tail:
             running.outbox.append(TokenDelta([], tail))
         if cache is not None and cache[0] is not None:
-            self._finished_caches.append(FinishedCache(running, cache[0], list(cache[1])))
+            self._keeper.ended(FinishedCache(running, cache[0], list(cache[1])))
         else:
-            self._release(running)
+            self._keeper.release(running)
         running.outbox.append(
             Finished(
                 reason,
@@ -386,22 +349,3 @@ class Batch:
         )
         self._outbox.post_many(running.events, running.outbox)
         running.outbox = []
-
-    def _keep(self, ended: FinishedCache) -> None:
-        running = ended.sequence
-        try:
-            running.reserved_block_ids = self._store.store(
-                running.agent_id,
-                ended.token_ids,
-                ended.layer_caches,
-                running.reserved_block_ids,
-                running.request.cache_salt,
-            )
-        except Exception:
-            logger.exception("could not keep the cache of agent {}", running.agent_id)
-
-    def _release(self, running: Sequence) -> None:
-        self._pool.free(running.reserved_block_ids)
-        self._pool.free(running.published_block_ids)
-        running.reserved_block_ids = running.published_block_ids = []
-        self._store.unpin(running.agent_id)

@@ -1,0 +1,96 @@
+"""What a batch hands the agent cache store once a tick's events are out.
+
+A prompt's full blocks are shared as soon as its first token exists, not when its reply ends:
+agents that arrive together with one system prompt then prefill it once, not once each. A
+sequence that ended has its whole cache kept. Both read the batch's arrays through views
+(`mlx_seams.cache_views`), so only the blocks the pool lacks are copied, and both wait for the
+tick's events to be posted: reading a cache waits for the step MLX already queued, and a first
+token should not.
+"""
+
+from __future__ import annotations
+
+from loguru import logger
+from mlx_lm.generate import BatchGenerator
+
+from semantic.engine import mlx_seams
+from semantic.engine.agent_cache import AgentCacheStore
+from semantic.engine.block_pool import BlockPool
+from semantic.engine.cache_spec import ModelCacheSpec
+from semantic.engine.sequence import FinishedCache, Sequence
+
+
+class CacheKeeper:
+    def __init__(self, spec: ModelCacheSpec, store: AgentCacheStore, pool: BlockPool) -> None:
+        self._spec = spec
+        self._store = store
+        self._pool = pool
+        self._prefilled_uids: list[int] = []
+        self._ended: list[FinishedCache] = []
+
+    def prompts_prefilled(self, uids: list[int]) -> None:
+        """Sequences whose prompts the generator has run: share their blocks."""
+        self._prefilled_uids += uids
+
+    def ended(self, ended: FinishedCache) -> None:
+        """A sequence that ended with its cache: keep it, then release its blocks."""
+        self._ended.append(ended)
+
+    def keep(self, generator: BatchGenerator, running: dict[int, Sequence]) -> None:
+        """Share the blocks of prompts prefilled this tick and keep the caches of sequences that ended."""
+        prefilled, self._prefilled_uids = self._prefilled_uids, []
+        for uid in prefilled:
+            sequence = running.get(uid)
+            if sequence is None:  # ended, cancelled or failed since
+                continue
+            if sequence.generated_token_ids:
+                self._publish_prompt(generator, uid, sequence)
+            else:  # reading its cache would wait for the step computing its first token
+                self._prefilled_uids.append(uid)
+        ended, self._ended = self._ended, []
+        for finished in ended:
+            self._keep(finished)
+            self.release(finished.sequence)
+
+    def _publish_prompt(self, generator: BatchGenerator, uid: int, running: Sequence) -> None:
+        spec = self._spec
+        prompt = running.request.prompt_tokens
+        num_blocks = (len(prompt) - 1) // spec.block_size  # blocks whose tokens are all in the cache by now
+        if num_blocks <= running.num_cached_tokens // spec.block_size or spec.has_sliding_layers:
+            return
+        # Views copy only the blocks the pool lacks; a whole extracted cache would be copied first.
+        layer_caches = mlx_seams.cache_views(generator, uid)
+        if layer_caches is None:
+            extracted = generator.extract_cache([uid]).get(uid)
+            if extracted is None:
+                return
+            layer_caches = extracted[0]
+        try:
+            running.published_block_ids = self._store.publish_prefix(
+                prompt[: num_blocks * spec.block_size],
+                layer_caches,
+                running.reserved_block_ids,
+                running.request.cache_salt,
+            )
+        except Exception:
+            logger.exception("could not share the prompt blocks of request {}", running.request.request_id)
+
+    def _keep(self, ended: FinishedCache) -> None:
+        running = ended.sequence
+        try:
+            running.reserved_block_ids = self._store.store(
+                running.agent_id,
+                ended.token_ids,
+                ended.layer_caches,
+                running.reserved_block_ids,
+                running.request.cache_salt,
+            )
+        except Exception:
+            logger.exception("could not keep the cache of agent {}", running.agent_id)
+
+    def release(self, running: Sequence) -> None:
+        """Free a sequence's blocks and let its agent's cache be evicted again."""
+        self._pool.free(running.reserved_block_ids)
+        self._pool.free(running.published_block_ids)
+        running.reserved_block_ids = running.published_block_ids = []
+        self._store.unpin(running.agent_id)
