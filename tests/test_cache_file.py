@@ -1,0 +1,85 @@
+"""Cache files on a real disk: what is written reads back, older files still read, damage is caught."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+from semantic.engine.cache_tensors import SerializedCache
+from semantic.storage.cache_file import CacheFileError, CacheIdentity, read_cache_file, write_cache_file
+
+IDENTITY = CacheIdentity("tiny", "f" * 32, 256, {"num_layers": 1}, vocab_size=1000)
+
+
+def a_cache(num_tokens: int = 40, seed: int = 0) -> SerializedCache:
+    rng = np.random.default_rng(seed)
+    tensors = {
+        "tokens": rng.integers(0, 1000, num_tokens, dtype=np.int32),
+        "full.0.keys": rng.standard_normal((1, 2, num_tokens, 8)).astype(np.float32).view(np.uint32),
+        "full.0.values": rng.standard_normal((1, 2, num_tokens, 8)).astype(np.float32).view(np.uint32),
+    }
+    return SerializedCache("agent-1", tensors, [], num_tokens)
+
+
+def metadata_of(path: Path) -> dict[str, str]:
+    with safe_open(str(path), framework="numpy") as f:
+        return dict(f.metadata())
+
+
+def assert_same(read: SerializedCache, written: SerializedCache) -> None:
+    assert read.agent_id == written.agent_id and read.num_tokens == written.num_tokens
+    assert read.tensors.keys() == written.tensors.keys()
+    for name, array in written.tensors.items():
+        np.testing.assert_array_equal(read.tensors[name], array)
+
+
+def test_a_written_cache_reads_back(tmp_path: Path) -> None:
+    cache = a_cache()
+    write_cache_file(tmp_path / "a.safetensors", cache, IDENTITY)
+    assert_same(read_cache_file(tmp_path / "a.safetensors", IDENTITY, "agent-1"), cache)
+
+
+def test_a_cache_written_by_format_version_1_still_reads(tmp_path: Path) -> None:
+    """Version 1 differed only in its checksum: SHA-256 over each tensor's name and bytes."""
+    cache = a_cache()
+    path = tmp_path / "v1.safetensors"
+    write_cache_file(path, cache, IDENTITY)
+    metadata = metadata_of(path)
+    digest = hashlib.sha256()
+    for name in sorted(cache.tensors):
+        digest.update(name.encode())
+        digest.update(np.ascontiguousarray(cache.tensors[name]).tobytes())
+    metadata.update(format_version="1", checksum=digest.hexdigest())
+    save_file(load_file(str(path)), str(path), metadata=metadata)
+    assert_same(read_cache_file(path, IDENTITY, "agent-1"), cache)
+
+
+def test_an_unknown_format_version_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "future.safetensors"
+    write_cache_file(path, a_cache(), IDENTITY)
+    save_file(load_file(str(path)), str(path), metadata={**metadata_of(path), "format_version": "99"})
+    with pytest.raises(CacheFileError, match="format version '99'"):
+        read_cache_file(path, IDENTITY)
+
+
+@settings(max_examples=40, deadline=None)
+@given(position=st.floats(min_value=0.0, max_value=1.0, exclude_max=True), bit=st.integers(0, 7))
+def test_any_flipped_bit_in_the_tensors_is_caught(
+    tmp_path_factory: pytest.TempPathFactory, position: float, bit: int
+) -> None:
+    path = tmp_path_factory.mktemp("flip") / "a.safetensors"
+    write_cache_file(path, a_cache(), IDENTITY)
+    data = bytearray(path.read_bytes())
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    offset = header_end + int(position * (len(data) - header_end))
+    data[offset] ^= 1 << bit
+    path.write_bytes(bytes(data))
+    with pytest.raises(CacheFileError):
+        read_cache_file(path, IDENTITY)
