@@ -239,6 +239,7 @@ class Batch:
                 offset = prefilling.prefill_offset
                 prefilling.outbox.append(PromptProgress(done + offset, total + offset))
         self._keeper.prompts_prefilled(ended_prompts)
+        ending: dict[int, FinishReason] = {}
         for response in generation_responses:
             running = self.running.get(response.uid)
             if running is None:
@@ -251,14 +252,16 @@ class Batch:
             if response.finish_reason is not None:  # the generator's own limit: not reached
                 self._finish(response.uid, FinishReason.LENGTH, (response.prompt_cache, response.all_tokens))
             elif (reason := self._end_reason(running)) is not None:
-                self._end(response.uid, reason)
+                ending[response.uid] = reason
         if self._takes_first_tokens_early and ended_prompts:
             for uid, token in mlx_seams.first_tokens(generator, ended_prompts).items():
                 running = self.running[uid]  # it cannot have ended since its prompt did, this step
                 running.early_token = token
                 self._take_token(running, token)
                 if (reason := self._end_reason(running)) is not None:
-                    self._end(uid, reason)
+                    ending[uid] = reason
+        if ending:
+            self._end(ending)
 
     def _take_token(self, running: Sequence, token: int) -> None:
         running.generated_token_ids.append(token)
@@ -274,19 +277,22 @@ class Batch:
             return FinishReason.LENGTH
         return None
 
-    def _end(self, uid: int, reason: FinishReason) -> None:
-        """Take a sequence out of the generator, its cache as views into the batch's arrays: only
-        the blocks the pool lacks are then copied (mostly the reply's), not the whole history."""
-        views = mlx_seams.cache_views(self._generator, uid)
-        if views is None:
-            removed = self._generator.remove([uid], return_prompt_caches=True)
-            self._finish(uid, reason, removed.get(uid))
-            return
-        self._generator.remove([uid])
-        running = self.running[uid]
-        # The cache holds every token fed to the model so far: the last one taken may not be yet.
-        tokens = [*running.request.prompt_tokens, *running.generated_token_ids][: views[0].offset]
-        self._finish(uid, reason, (views, tokens))
+    def _end(self, ending: dict[int, FinishReason]) -> None:
+        """Take sequences out of the generator (at once: each removal gathers the rest of the
+        batch), their caches as views into the batch's arrays: only the blocks the pool lacks are
+        then copied (mostly the reply's), not the whole history."""
+        views = {uid: mlx_seams.cache_views(self._generator, uid) for uid in ending}
+        copied = [uid for uid, view in views.items() if view is None]
+        removed = self._generator.remove(list(ending), return_prompt_caches=bool(copied))
+        for uid, reason in ending.items():
+            layer_caches = views[uid]
+            if layer_caches is None:
+                self._finish(uid, reason, removed.get(uid))
+                continue
+            running = self.running[uid]
+            # The cache holds every token fed to the model so far: the last one taken may not be yet.
+            tokens = [*running.request.prompt_tokens, *running.generated_token_ids][: layer_caches[0].offset]
+            self._finish(uid, reason, (layer_caches, tokens))
 
     def cancel(self, request_id: str) -> bool:
         for uid, running in self.running.items():
