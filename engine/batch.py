@@ -159,12 +159,15 @@ class Batch:
         )
         return int(uid)
 
-    def lone_prefill(self) -> tuple[int, Sequence] | None:
-        """The prompt part-way through its prefill, if it is the only prompt the batch holds."""
+    def lone_prefill(self) -> tuple[int, Sequence, int] | None:
+        """The prompt part-way through its prefill, if it is the only prompt the batch holds: its
+        uid, itself, and how many of its tokens are left to prefill."""
         prefilling = [(uid, s) for uid, s in self.running.items() if s.is_prefilling]
-        if len(prefilling) != 1 or prefilling[0][1].num_left_to_prefill is None:
+        if len(prefilling) != 1:
             return None
-        return prefilling[0]
+        uid, sequence = prefilling[0]
+        num_left = sequence.num_left_to_prefill
+        return None if num_left is None else (uid, sequence, num_left)
 
     def set_aside(self, uid: int) -> SetAside | None:
         """Take a prompt out of the generator part-way through its prefill, with the cache it has so
@@ -281,17 +284,17 @@ class Batch:
         """Take sequences out of the generator (at once: each removal gathers the rest of the
         batch), their caches as views into the batch's arrays: only the blocks the pool lacks are
         then copied (mostly the reply's), not the whole history."""
-        views = {uid: mlx_seams.cache_views(self._generator, uid) for uid in ending}
-        copied = [uid for uid, view in views.items() if view is None]
-        removed = self._generator.remove(list(ending), return_prompt_caches=bool(copied))
+        held = {uid: mlx_seams.sequence_caches(self._generator, uid) for uid in ending}
+        self._generator.remove(list(ending))
         for uid, reason in ending.items():
-            layer_caches = views[uid]
-            if layer_caches is None:
-                self._finish(uid, reason, removed.get(uid))
+            caches = held[uid]
+            if caches is None:
+                self._finish(uid, reason)
                 continue
+            layer_caches, num_tokens = caches
             running = self.running[uid]
             # The cache holds every token fed to the model so far: the last one taken may not be yet.
-            tokens = [*running.request.prompt_tokens, *running.generated_token_ids][: layer_caches[0].offset]
+            tokens = [*running.request.prompt_tokens, *running.generated_token_ids][:num_tokens]
             self._finish(uid, reason, (layer_caches, tokens))
 
     def cancel(self, request_id: str) -> bool:

@@ -58,17 +58,13 @@ class CacheKeeper:
         num_blocks = (len(prompt) - 1) // spec.block_size  # blocks whose tokens are all in the cache by now
         if num_blocks <= running.num_cached_tokens // spec.block_size or spec.has_sliding_layers:
             return
-        # Views copy only the blocks the pool lacks; a whole extracted cache would be copied first.
-        layer_caches = mlx_seams.cache_views(generator, uid)
-        if layer_caches is None:
-            extracted = generator.extract_cache([uid]).get(uid)
-            if extracted is None:
-                return
-            layer_caches = extracted[0]
+        held = mlx_seams.sequence_caches(generator, uid)
+        if held is None:
+            return
         try:
             running.published_block_ids = self._store.publish_prefix(
                 prompt[: num_blocks * spec.block_size],
-                layer_caches,
+                held[0],
                 running.reserved_block_ids,
                 running.request.cache_salt,
             )

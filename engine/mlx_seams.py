@@ -132,6 +132,20 @@ def cache_views(generator: BatchGenerator, uid: int) -> list[KVCache] | None:
     return views
 
 
+def sequence_caches(generator: BatchGenerator, uid: int) -> tuple[list[Any], int] | None:
+    """A running sequence's per-layer caches and how many tokens they hold: views into the batch's
+    arrays where every layer allows it (`cache_views`), else `extract_cache`'s copy of the whole
+    sequence; None if the generator does not hold it."""
+    views = cache_views(generator, uid)
+    if views is not None:
+        return list(views), views[0].offset
+    extracted = generator.extract_cache([uid]).get(uid)
+    if extracted is None:
+        return None
+    caches, tokens = extracted
+    return list(caches), len(tokens)
+
+
 def _sequence_view(layer: Any, index: int) -> KVCache:
     """Sequence `index` of a BatchKVCache as a KVCache viewing its arrays: what `extract` copies."""
     padding = int(layer.left_padding[index].item())

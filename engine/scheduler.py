@@ -55,27 +55,29 @@ class Scheduler:
         if not self.waiting or slots <= 0:
             return
         now = time.monotonic() if now is None else now
-        aside = None
         # Holding prompts while a batch prefills also lets the order below pick among all that arrived.
-        if batch.is_prefilling:
-            aside = self._set_aside_for_a_short_turn(runtime, config, now)
+        overtaken = self._overtakable(runtime, config, now) if batch.is_prefilling else None
+        if batch.is_prefilling and overtaken is None:
+            return
+        order = self._admission_order(runtime.store, config.shortest_first_max_wait_s, now)
+        aside = None
+        if overtaken is not None:
+            aside = self._set_aside_for(order[0], overtaken, runtime, config)
             if aside is None:
                 return
         try:
-            self._admit_in_order(runtime, config, outbox, now, slots)
+            self._admit_in_order(order, runtime, outbox, slots)
         finally:
             if aside is not None:
                 batch.resume(aside)
 
-    def _admit_in_order(
-        self, runtime: Runtime, config: EngineConfig, outbox: Outbox, now: float, slots: int
-    ) -> None:
-        batch, pool, spec = runtime.batch, runtime.pool, runtime.loaded.spec
-        for submit in self._admission_order(runtime.store, config.shortest_first_max_wait_s, now):
+    def _admit_in_order(self, order: list[Submit], runtime: Runtime, outbox: Outbox, slots: int) -> None:
+        batch, pool = runtime.batch, runtime.pool
+        for submit in order:
             if slots <= 0:
                 return
             request = submit.request
-            needed = spec.num_blocks_for(len(request.prompt_tokens) + request.sampling.max_tokens)
+            needed = _blocks_needed(runtime, request)
             refusal: Exception | None = None
             if request.model_fingerprint not in (None, runtime.loaded.fingerprint):
                 refusal = ModelChangedError("the model changed while the request waited")
@@ -99,29 +101,32 @@ class Scheduler:
                 logger.exception("request {} failed at admission", request.request_id)
                 outbox.post(submit.events, error)
 
-    def _set_aside_for_a_short_turn(
-        self, runtime: Runtime, config: EngineConfig, now: float
-    ) -> SetAside | None:
-        """Set aside the lone prompt part-way through a long prefill when the next waiting request is
-        a short turn (its uncached part fits one prefill chunk), which would otherwise wait for every
-        chunk of it: a returning agent's turn behind a cold 30K-token history waits a minute here.
-        The long prompt goes back in behind the turn and carries on from the cache it has; once it has
-        waited `shortest_first_max_wait_s` nothing overtakes it."""
+    @staticmethod
+    def _overtakable(runtime: Runtime, config: EngineConfig, now: float) -> int | None:
+        """The lone prompt part-way through a long prefill that a short turn may overtake (its uid):
+        one with more than a chunk left, that has not waited `shortest_first_max_wait_s`."""
         lone = runtime.batch.lone_prefill()
         if lone is None:
             return None
-        uid, prefilling = lone
-        chunk, max_wait_s = config.num_tokens_per_prefill_step, config.shortest_first_max_wait_s
-        if (prefilling.num_left_to_prefill or 0) <= chunk or now - prefilling.queued_at >= max_wait_s:
+        uid, prefilling, num_left = lone
+        if num_left <= config.num_tokens_per_prefill_step:
             return None
-        first = self._admission_order(runtime.store, max_wait_s, now)[0]
-        if _uncached(runtime.store, first) > chunk:
+        return uid if now - prefilling.queued_at < config.shortest_first_max_wait_s else None
+
+    def _set_aside_for(
+        self, first: Submit, overtaken: int, runtime: Runtime, config: EngineConfig
+    ) -> SetAside | None:
+        """Set the overtakable prompt aside when the next waiting request is a short turn (its
+        uncached part fits one prefill chunk) that can go in now; it would otherwise wait for every
+        chunk of the long prompt: a returning agent's turn behind a cold 30K-token history waits a
+        minute here. The long prompt goes back in behind the turn, from the cache it has."""
+        if _uncached(runtime.store, first) > config.num_tokens_per_prefill_step:
             return None
         request = first.request
-        needed = runtime.loaded.spec.num_blocks_for(len(request.prompt_tokens) + request.sampling.max_tokens)
+        needed = _blocks_needed(runtime, request)
         if needed > runtime.pool.num_blocks or self._make_room(runtime, request, needed) is None:
             return None  # it could not go in now: the long prompt keeps its place
-        return runtime.batch.set_aside(uid)
+        return runtime.batch.set_aside(overtaken)
 
     @property
     def queued_agent_ids(self) -> set[str]:
@@ -175,6 +180,11 @@ class Scheduler:
         overdue = [s for s in self.waiting if now - s.queued_at >= max_wait_s]
         rest = [s for s in self.waiting if now - s.queued_at < max_wait_s]
         return overdue + sorted(rest, key=lambda submit: _uncached(store, submit))
+
+
+def _blocks_needed(runtime: Runtime, request: GenerationRequest) -> int:
+    """The KV blocks a request's prompt and reply take (before any reuse of its agent's cache)."""
+    return runtime.loaded.spec.num_blocks_for(len(request.prompt_tokens) + request.sampling.max_tokens)
 
 
 def _uncached(store: AgentCacheStore, submit: Submit) -> int:

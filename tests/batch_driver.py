@@ -68,11 +68,16 @@ def submit(
     return submit
 
 
-def has_token(submit: Submit) -> bool:
+def drain(submit: Submit) -> list[Event]:
+    """The events delivered to a request so far and not yet read."""
     events = []
     while not submit.events.queue.empty():
         events.append(submit.events.queue.get_nowait())
-    return any(isinstance(e, TokenDelta) for e in events)
+    return events
+
+
+def has_token(submit: Submit) -> bool:
+    return any(isinstance(e, TokenDelta) for e in drain(submit))
 
 
 def steps_until_finished(

@@ -27,7 +27,7 @@ from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
 from semantic.engine.sampling import SamplingParams
 from semantic.engine.scheduler import Scheduler
-from tests.batch_driver import chat, deliver, loop, outbox, runtime
+from tests.batch_driver import chat, deliver, drain, loop, outbox, runtime
 
 __all__ = ["loop", "outbox", "runtime"]  # fixtures
 
@@ -36,13 +36,6 @@ def queued(loop: asyncio.AbstractEventLoop, prompt: list[int], max_tokens: int, 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0)
     request = GenerationRequest(uuid.uuid4().hex, prompt, sampling, f"agent-{uuid.uuid4().hex}")
     return Submit(request, EventChannel(loop), queued_at)
-
-
-def drain(submit: Submit) -> list[object]:
-    events = []
-    while not submit.events.queue.empty():
-        events.append(submit.events.queue.get_nowait())
-    return events
 
 
 class Driver:
