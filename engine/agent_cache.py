@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from loguru import logger
 
 from semantic.engine.block_pool import BlockPool, hash_block_tokens, hash_prefix_blocks, salt_root
@@ -29,6 +30,7 @@ from semantic.engine.layer_caches import (
     kv_of,
     layer_caches,
     rotating_can_trim,
+    sliding_state,
 )
 
 # None for an agent with no tokens yet.
@@ -43,6 +45,18 @@ class CacheSnapshot:
     token_ids: list[int]
     full_layers: list[LayerKV]
     sliding_layers: list[tuple[Any, ...]]
+
+
+@dataclass(slots=True)
+class HostSnapshot:
+    """An agent's cache as read from its file: full layers as numpy arrays (bfloat16 as uint16), of
+    `dtype` once in MLX; sliding-window states already MLX arrays."""
+
+    agent_id: str
+    token_ids: list[int]
+    full_layers: list[tuple[np.ndarray | None, np.ndarray | None]]
+    sliding_layers: list[tuple[Any, ...]]
+    dtype: mx.Dtype
 
 
 @dataclass(slots=True)
@@ -201,8 +215,22 @@ class AgentCacheStore:
         """Keep a finished turn's cache, its full blocks filed under `salt`; returns the reserved
         blocks it did not use."""
         assert len(layer_caches) == self.spec.num_layers, "cache layers do not match the spec: engine bug"
-        size = self.spec.block_size
         full_kv = [kv_of(layer_caches[layer], len(token_ids)) for layer in self.spec.full_layer_ids]
+        sliding = [layer_caches[layer].state for layer in self.spec.sliding_layer_ids]
+        return self._file_blocks(agent_id, token_ids, full_kv, sliding, reserved, salt, self.codec.encode)
+
+    def _file_blocks(
+        self,
+        agent_id: str,
+        token_ids: list[int],
+        full_kv: list[tuple[Any, Any]],
+        sliding: list[Any],
+        reserved: list[int],
+        salt: str | None,
+        encode: Callable[[Any], Any],
+    ) -> list[int]:
+        """The agent's cache as pool blocks (shared ones reused, the rest copied out by `encode`)."""
+        size = self.spec.block_size
         spare = list(reserved)
         block_ids: list[int] = []
         parent = salt_root(salt)
@@ -216,7 +244,7 @@ class AgentCacheStore:
                     block_ids.append(existing)
                     continue
             block_id = spare.pop() if spare else self._allocate_one()
-            payload = block_payload(full_kv, start, len(tokens), self.codec)
+            payload = block_payload(full_kv, start, len(tokens), encode)
             if len(tokens) == size:
                 assert parent is not None
                 self.pool.cache_full_block(block_id, parent, tokens, payload)
@@ -224,7 +252,6 @@ class AgentCacheStore:
                 self.pool.set_payload(block_id, payload)
             block_ids.append(block_id)
         mx.eval([self.pool.payload(b) for b in block_ids])
-        sliding = [layer_caches[layer].state for layer in self.spec.sliding_layer_ids]
         previous = self.agents.get(agent_id)
         num_running = previous.num_running if previous else 0
         self.agents[agent_id] = AgentCache(
@@ -254,7 +281,7 @@ class AgentCacheStore:
                 break
             block_id = spare.pop()
             self.pool.cache_full_block(
-                block_id, block_hash, tokens, block_payload(full_kv, start, size, self.codec)
+                block_id, block_hash, tokens, block_payload(full_kv, start, size, self.codec.encode)
             )
             published.append(block_id)
         mx.eval([self.pool.payload(b) for b in published])
@@ -306,15 +333,23 @@ class AgentCacheStore:
         )
         return CacheSnapshot(agent_id, list(agent.token_ids), full_layers, list(agent.sliding_states))
 
-    def restore(self, snapshot: CacheSnapshot, salt: str | None = None) -> None:
-        """Put a snapshot (loaded from disk) back into the pool as this agent's cache, its full
-        blocks filed under the salt of the turn that needs it."""
+    def restore(self, snapshot: HostSnapshot, salt: str | None = None) -> None:
+        """Put a snapshot read from disk back into the pool as this agent's cache, its full blocks
+        (copied once, from the file's arrays) filed under the salt of the turn that needs it."""
         self.drop(snapshot.agent_id)
         num_tokens = len(snapshot.token_ids)
-        caches = layer_caches(
-            self.spec, self._new_caches(), snapshot.full_layers, num_tokens, snapshot.sliding_layers
-        )
         needed = self.spec.num_blocks_for(num_tokens)
         if not self.pool.can_allocate(needed):
             self.evict_until(needed)
-        self.store(snapshot.agent_id, snapshot.token_ids, caches, [], salt)
+        full_kv = [
+            (keys[..., :num_tokens, :], values[..., :num_tokens, :])
+            for keys, values in snapshot.full_layers
+            if keys is not None and values is not None
+        ]
+        assert not num_tokens or len(full_kv) == len(self.spec.full_layer_ids), "layers missing: engine bug"
+        sliding = [sliding_state(state) for state in snapshot.sliding_layers]
+
+        def encode(array: np.ndarray) -> Any:
+            return self.codec.encode_host(array, snapshot.dtype)
+
+        self._file_blocks(snapshot.agent_id, snapshot.token_ids, full_kv, sliding, [], salt, encode)

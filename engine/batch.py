@@ -23,6 +23,7 @@ from semantic.engine.cache_keeper import CacheKeeper
 from semantic.engine.commands import Submit
 from semantic.engine.config import EngineConfig, EngineStats
 from semantic.engine.errors import EngineError
+from semantic.engine.last_token_fold import fold_head, make_batch_generator
 from semantic.engine.loading import LoadedModel
 from semantic.engine.lockstep import next_digest
 from semantic.engine.messages import (
@@ -58,6 +59,8 @@ class Batch:
         self._stats = stats
         self._outbox = outbox
         self._stream = stream
+        with mx.stream(stream):  # a pipelined or sharded model is not folded: its ranks step in lockstep
+            self._fold_head = fold_head(loaded.model, foldable=loaded.layout is None)
         self._generator = self._new_generator()
         # mlx-lm returns a token one step after computing it, so its next step overlaps the caller's
         # work; MLX's CPU backend runs that step before the call returns, so there a first token
@@ -90,8 +93,9 @@ class Batch:
         # No stop tokens and (at insert) a token limit past the request's: the batch ends every
         # sequence itself (`_end`), reading its cache as views rather than as the copy of the whole
         # sequence that the generator makes of the sequences it ends.
-        return BatchGenerator(
+        return make_batch_generator(
             self._loaded.model,
+            self._fold_head,
             completion_batch_size=self._config.max_batch_size,
             prefill_batch_size=self._config.num_prefilled_together,
             prefill_step_size=self._config.num_tokens_per_prefill_step,

@@ -7,12 +7,11 @@ memory that a worker thread may read and write.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from semantic.engine.agent_cache import CacheSnapshot
+from semantic.engine.agent_cache import CacheSnapshot, HostSnapshot
 
 # numpy has no bfloat16: arrays travel as unsigned integers of the same width and are viewed back.
 _STORAGE_VIEW = {2: (mx.uint16, np.uint16), 4: (mx.uint32, np.uint32), 1: (mx.uint8, np.uint8)}
@@ -52,25 +51,18 @@ def to_tensors(snapshot: CacheSnapshot) -> SerializedCache:
     return SerializedCache(snapshot.agent_id, tensors, sliding_meta, len(snapshot.token_ids))
 
 
-def from_tensors(cache: SerializedCache, dtype: str, num_full: int, num_sliding: int) -> CacheSnapshot:
-    """Engine thread: rebuild MLX arrays from a file's tensors."""
+def from_tensors(cache: SerializedCache, dtype: str, num_full: int, num_sliding: int) -> HostSnapshot:
+    """Engine thread: a file's tensors as a snapshot to restore. Full layers stay numpy arrays: the
+    pool copies each block out of them once (`BlockCodec.encode_host`)."""
     mx_dtype = getattr(mx, dtype)
     tensors = cache.tensors
-    full_layers: list[Any] = []
-    for i in range(num_full):
-        if f"full.{i}.keys" in tensors:
-            full_layers.append(
-                (
-                    _from_numpy(tensors[f"full.{i}.keys"], mx_dtype),
-                    _from_numpy(tensors[f"full.{i}.values"], mx_dtype),
-                )
-            )
-        else:
-            full_layers.append((None, None))
+    full_layers: list[tuple[np.ndarray | None, np.ndarray | None]] = [
+        (tensors.get(f"full.{i}.keys"), tensors.get(f"full.{i}.values")) for i in range(num_full)
+    ]
     sliding_layers = []
     for i in range(num_sliding):
         offset, keep, max_size, idx = cache.sliding_meta[i]
         keys = _from_numpy(tensors[f"sliding.{i}.keys"], mx_dtype)
         values = _from_numpy(tensors[f"sliding.{i}.values"], mx_dtype)
         sliding_layers.append((keys, values, offset, keep, max_size, idx))
-    return CacheSnapshot(cache.agent_id, tensors["tokens"].tolist(), full_layers, sliding_layers)
+    return HostSnapshot(cache.agent_id, tensors["tokens"].tolist(), full_layers, sliding_layers, mx_dtype)

@@ -13,7 +13,7 @@ history spent 6.5 s of 9 s in it (SmolLM2-135M, 2 cores). Here:
 - with many rows, the normaliser comes out of the second matmul (values with a column of ones)
   instead of a separate sum over every score.
 
-Metal and CUDA keep their fused kernels: `mlx_seams.install_cpu_attention` routes mlx-lm's attention
+Metal and CUDA keep their fused kernels: `cpu_kernels.install_cpu_kernels` routes mlx-lm's attention
 here only when the model runs on the CPU, only on the engine thread, and only for attention it can
 do exactly as mlx-lm would (no attention sinks, no quantized KV cache).
 """
@@ -43,7 +43,7 @@ EXP2_COEFFICIENTS = (
 MIN_ROWS_FOR_FOLDED_SUM = 16
 
 
-def _exp2(t: mx.array) -> mx.array:
+def exp2(t: mx.array) -> mx.array:
     """2**t for t in [-126, 0]: 2**round(t) from the exponent bits times a polynomial in the rest."""
     whole = (t + ROUNDING) - ROUNDING
     fraction = t - whole
@@ -54,7 +54,7 @@ def _exp2(t: mx.array) -> mx.array:
 
 
 def _exp_shifted(scores: mx.array, row_max: mx.array) -> mx.array:
-    return _exp2(mx.maximum((scores - row_max) * LOG2_E, MIN_EXPONENT))
+    return exp2(mx.maximum((scores - row_max) * LOG2_E, MIN_EXPONENT))
 
 
 def _exp_shifted_kept(scores: mx.array, row_max: mx.array, keep: mx.array) -> mx.array:
@@ -89,7 +89,7 @@ _kernels: _Kernels | None = None
 def _compiled() -> _Kernels:
     global _kernels
     if _kernels is None:
-        _kernels = _Kernels(compiled=_jit_works())
+        _kernels = _Kernels(compiled=jit_works())
     return _kernels
 
 
@@ -154,7 +154,7 @@ def attention(
     return out.reshape(batch, heads, length, values.shape[-1])
 
 
-def _jit_works() -> bool:
+def jit_works() -> bool:
     """Whether `mx.compile` can build CPU kernels here (it needs a C++ compiler at run time)."""
     try:
         probe = mx.array([[0.0, -1.0, -2.0]])

@@ -13,6 +13,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import mlx.core as mx
+
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.commands import Cancel, EngineAsk, Envelope, Message, Shutdown, Submit, reject
 from semantic.engine.config import EngineConfig, EngineStats
@@ -199,6 +201,9 @@ class Engine:
         try:
             core.run(ready)
         finally:
+            # MLX leaves a thread's streams to be destroyed by hand before the thread ends; left to
+            # the process's exit they sometimes abort it ("terminate called without an active exception").
+            mx.clear_streams()
             self._loop.call_soon_threadsafe(self._fail_inbox)
 
     def _fail_inbox(self) -> None:

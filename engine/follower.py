@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 from loguru import logger
 
-from semantic.engine import mlx_seams
+from semantic.engine import cpu_kernels
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.commands import (
     DropCache,
@@ -83,14 +83,17 @@ class FollowerCore(EngineCore):
         """Load the model with rank 0 and run its ticks until it shuts the group down. Raises
         GroupLostError when rank 0 or another rank is gone, GroupDivergedError on other tokens."""
         self._stream = mx.new_stream(mx.default_device())
-        with mx.stream(self._stream), mlx_seams.cpu_attention_on_this_thread():
-            try:
-                with self._tick_allowance(True):
-                    self._load(self.config.model, self.config.model_name)
-                self._follow()
-            finally:
-                self._close()
-                self._follower.files.close()
+        try:
+            with mx.stream(self._stream), cpu_kernels.cpu_kernels_on_this_thread():
+                try:
+                    with self._tick_allowance(True):
+                        self._load(self.config.model, self.config.model_name)
+                    self._follow()
+                finally:
+                    self._close()
+                    self._follower.files.close()
+        finally:
+            mx.clear_streams()  # before the thread ends, as on rank 0's engine thread (engine.py)
 
     def _follow(self) -> None:
         follower, stopping = self._follower, False

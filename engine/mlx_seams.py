@@ -8,14 +8,9 @@ then stops the load instead of quietly changing the batch's behaviour.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import inspect
-import os
-import sys
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -24,8 +19,6 @@ from loguru import logger
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import base
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
-
-from semantic.engine import cpu_attention
 
 WRITTEN_FOR = (0, 32)  # mlx-lm 0.32.x
 # The module, not the `mlx_lm.generate` function that the package exports under the same name.
@@ -258,21 +251,7 @@ def check_responses() -> None:
         )
 
 
-# ---- the CPU attention hook: mlx-lm's model modules call a module-global we replace ----
-
-_engine_thread = threading.local()
-
-
-@contextmanager
-def cpu_attention_on_this_thread() -> Iterator[None]:
-    """Let the installed hook use our attention on the calling thread (the engine thread) only;
-    every other thread gets mlx-lm's own function, bit for bit."""
-    previous = getattr(_engine_thread, "enabled", False)
-    _engine_thread.enabled = True
-    try:
-        yield
-    finally:
-        _engine_thread.enabled = previous
+# ---- the CPU kernels' hooks (engine/cpu_kernels.py) replace mlx-lm's attention by its signature ----
 
 
 def check_attention(function: Callable[..., Any]) -> None:
@@ -280,37 +259,3 @@ def check_attention(function: Callable[..., Any]) -> None:
         f"mlx_lm.models.base.scaled_dot_product_attention takes ({', '.join(ATTENTION_PARAMETERS)})",
         lambda: tuple(inspect.signature(function).parameters) == ATTENTION_PARAMETERS,
     )
-
-
-def _hook(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    @functools.wraps(original)
-    def scaled_dot_product_attention(
-        queries: mx.array,
-        keys: Any,
-        values: Any,
-        cache: Any,
-        scale: float,
-        mask: mx.array | str | None,
-        sinks: mx.array | None = None,
-    ) -> mx.array:
-        if not getattr(_engine_thread, "enabled", False) or sinks is not None or hasattr(cache, "bits"):
-            return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-        return cpu_attention.attention(queries, keys, values, scale, mask)
-
-    return scaled_dot_product_attention
-
-
-def install_cpu_attention() -> bool:
-    """Hook `cpu_attention` into every imported mlx-lm model module that uses mlx-lm's own attention,
-    when models run on the CPU; True if hooked. Call after loading a model (its module is then
-    imported), on the engine thread."""
-    if mx.default_device() != mx.cpu or os.environ.get("SEMANTIC_NO_FAST_ATTENTION"):
-        return False
-    description = cpu_attention.describe()
-    hook = _hook(base.scaled_dot_product_attention)
-    for name, module in list(sys.modules.items()):
-        uses_base = getattr(module, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention
-        if name.startswith("mlx_lm.models.") and module is not base and uses_base:
-            setattr(module, "scaled_dot_product_attention", hook)  # noqa: B010 - a module global
-            logger.info("{}: {} on the engine thread", name, description)
-    return True

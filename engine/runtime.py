@@ -14,7 +14,7 @@ from loguru import logger
 from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
-from semantic.engine import mlx_seams
+from semantic.engine import cpu_kernels, mlx_seams
 from semantic.engine.agent_cache import AgentCacheStore, CacheSnapshot, is_anonymous
 from semantic.engine.batch import Batch
 from semantic.engine.block_pool import BlockPool
@@ -52,7 +52,7 @@ class Runtime:
         mlx_seams.check_version()
         loaded = load_model(source, config.block_size, config.default_dtype, name, config.models_dir, layout)
         mlx_seams.check_seams(loaded.model)
-        mlx_seams.install_cpu_attention()
+        cpu_kernels.install_cpu_kernels()
         spec = loaded.spec
         codec = BlockCodec.for_spec(spec, config.idle_kv_bits)
         budget_bytes = config.cache_budget_mb * 2**20

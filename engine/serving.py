@@ -17,7 +17,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from loguru import logger
 
-from semantic.engine import mlx_seams
+from semantic.engine import cpu_kernels
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.commands import (
     Cancel,
@@ -63,7 +63,7 @@ class ServingCore(EngineCore):
             self._stream = mx.new_stream(mx.default_device())
             with (
                 mx.stream(self._stream),
-                mlx_seams.cpu_attention_on_this_thread(),
+                cpu_kernels.cpu_kernels_on_this_thread(),
                 self._tick_allowance(True),
             ):
                 self._load(self.config.model, self.config.model_name)
@@ -72,7 +72,7 @@ class ServingCore(EngineCore):
             self._loop.call_soon_threadsafe(reject, ready, error)
             return
         self._loop.call_soon_threadsafe(resolve, ready, None)
-        with mx.stream(self._stream), mlx_seams.cpu_attention_on_this_thread():
+        with mx.stream(self._stream), cpu_kernels.cpu_kernels_on_this_thread():
             try:
                 self._serve()
             finally:

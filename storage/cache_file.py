@@ -86,6 +86,9 @@ def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
 
 def write_cache_file(path: Path, cache: SerializedCache, identity: CacheIdentity) -> int:
     """Worker thread: write atomically (temp file, fsync, rename). Returns the file size."""
+    # safetensors writes a strided array's underlying memory, not its elements: make each contiguous
+    # (a no-op for the usual, contiguous ones) so the file holds what the checksum covers.
+    tensors = {name: np.ascontiguousarray(tensor) for name, tensor in cache.tensors.items()}
     metadata = {
         "format_version": FORMAT_VERSION,
         "agent_id": cache.agent_id,
@@ -96,9 +99,9 @@ def write_cache_file(path: Path, cache: SerializedCache, identity: CacheIdentity
         "sliding_meta": json.dumps(cache.sliding_meta),
         "num_tokens": str(cache.num_tokens),
         "layout": identity.layout,
-        "checksum": _checksum(cache.tensors),
+        "checksum": _checksum(tensors),
     }
-    replace_atomically(path, lambda tmp: save_file(cache.tensors, str(tmp), metadata=metadata))
+    replace_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     return path.stat().st_size
 
 
@@ -153,6 +156,13 @@ def read_cache_file(path: Path, identity: CacheIdentity, agent_id: str | None = 
         raise CacheFileError(f"bad metadata: {error}") from error
     if tokens is None or tokens.ndim != 1 or len(tokens) != num_tokens:
         raise CacheFileError("token list missing or not as long as the metadata says")
+    short = [
+        name
+        for name, tensor in tensors.items()
+        if name.startswith("full.") and (tensor.ndim != 4 or tensor.shape[2] < num_tokens)
+    ]
+    if short:
+        raise CacheFileError(f"{short[0]} does not hold the {num_tokens} tokens the metadata says")
     if len(tokens) and (tokens.min() < 0 or (identity.vocab_size and tokens.max() >= identity.vocab_size)):
         raise CacheFileError(f"token ids outside the vocabulary (0..{identity.vocab_size - 1})")
     return SerializedCache(metadata["agent_id"], tensors, sliding_meta, num_tokens)

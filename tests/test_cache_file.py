@@ -83,3 +83,21 @@ def test_any_flipped_bit_in_the_tensors_is_caught(
     path.write_bytes(bytes(data))
     with pytest.raises(CacheFileError):
         read_cache_file(path, IDENTITY)
+
+
+def test_a_strided_tensor_is_written_as_its_elements(tmp_path: Path) -> None:
+    """safetensors writes a strided array's memory as is; the writer must hand it elements."""
+    cache = a_cache()
+    cache.tensors["full.0.keys"] = cache.tensors["full.0.keys"][:, ::-1]  # a view, not contiguous
+    write_cache_file(tmp_path / "strided.safetensors", cache, IDENTITY)
+    assert_same(read_cache_file(tmp_path / "strided.safetensors", IDENTITY, "agent-1"), cache)
+
+
+def test_a_layer_shorter_than_the_token_list_is_refused(tmp_path: Path) -> None:
+    """A file whose checksum holds but whose keys cover fewer tokens than it lists (another
+    version's bug): restoring it would file short blocks under the agent's tokens."""
+    cache = a_cache()
+    cache.tensors["full.0.keys"] = cache.tensors["full.0.keys"][:, :, :-1, :]
+    write_cache_file(tmp_path / "short.safetensors", cache, IDENTITY)
+    with pytest.raises(CacheFileError, match=r"full\.0\.keys does not hold the 40 tokens"):
+        read_cache_file(tmp_path / "short.safetensors", IDENTITY)

@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semantic.engine import cpu_attention, mlx_seams
+from semantic.engine import cpu_attention, cpu_kernels
 
 
 def test_exp2_matches_numpy_over_the_range_it_is_used_on() -> None:
     t = np.linspace(-126.0, 0.0, 200_001, dtype=np.float32)
-    ours = np.array(cpu_attention._exp2(mx.array(t)))
+    ours = np.array(cpu_attention.exp2(mx.array(t)))
     relative = np.abs(ours - np.exp2(t.astype(np.float64))) / np.exp2(t.astype(np.float64))
     assert relative.max() < 5e-7
 
@@ -100,7 +100,7 @@ def hooked_model(default_model_dir: Path) -> Any:
 
     loaded = load_model(str(default_model_dir))
     assert mx.default_device() == mx.cpu
-    assert mlx_seams.install_cpu_attention()
+    assert cpu_kernels.install_cpu_kernels()
     return loaded.model
 
 
@@ -131,7 +131,7 @@ def test_the_hook_uses_our_attention_only_on_the_thread_that_enables_it(hooked_m
     from_engine_thread: list[np.ndarray] = []
 
     def engine_thread() -> None:
-        with mlx_seams.cpu_attention_on_this_thread():
+        with cpu_kernels.cpu_kernels_on_this_thread():
             from_engine_thread.append(call(hook))
             enabled.set()
             release.wait(30)  # the flag stays set here while another thread calls the hook

@@ -1,0 +1,90 @@
+"""The CPU kernels' hooks: mlx-lm's model modules call module globals (`scaled_dot_product_attention`,
+`swiglu`) that we replace, on the CPU, with `cpu_attention` and `cpu_swiglu`.
+
+Each hook uses our kernel only on a thread that asked for it (the engine thread, inside
+`cpu_kernels_on_this_thread`) and only where it computes what mlx-lm would (no attention sinks, no
+quantized KV cache; float32 SwiGLU); everywhere else it is mlx-lm's own function, bit for bit.
+Metal and CUDA keep their fused kernels: nothing is hooked unless models run on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+from loguru import logger
+from mlx_lm.models import activations, base
+
+from semantic.engine import cpu_attention, cpu_swiglu
+
+_engine_thread = threading.local()
+
+
+@contextmanager
+def cpu_kernels_on_this_thread() -> Iterator[None]:
+    """Let the installed hooks use our kernels on the calling thread (the engine thread) only."""
+    previous = getattr(_engine_thread, "enabled", False)
+    _engine_thread.enabled = True
+    try:
+        yield
+    finally:
+        _engine_thread.enabled = previous
+
+
+def _attention_hook(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    @functools.wraps(original)
+    def scaled_dot_product_attention(
+        queries: mx.array,
+        keys: Any,
+        values: Any,
+        cache: Any,
+        scale: float,
+        mask: mx.array | str | None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        if not getattr(_engine_thread, "enabled", False) or sinks is not None or hasattr(cache, "bits"):
+            return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        return cpu_attention.attention(queries, keys, values, scale, mask)
+
+    return scaled_dot_product_attention
+
+
+def _swiglu_hook(
+    original: Callable[[mx.array, mx.array], mx.array],
+) -> Callable[[mx.array, mx.array], mx.array]:
+    @functools.wraps(original)
+    def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+        ours = getattr(_engine_thread, "enabled", False) and gate.dtype == x.dtype == mx.float32
+        if not ours or gate.shape != x.shape:
+            return original(gate, x)
+        return cpu_swiglu.swiglu(gate, x)
+
+    return swiglu
+
+
+def _install(name: str, original: Any, hook: Any, home: Any, description: str) -> None:
+    for module_name, module in list(sys.modules.items()):
+        uses_original = getattr(module, name, None) is original
+        if module_name.startswith("mlx_lm.models.") and module is not home and uses_original:
+            setattr(module, name, hook)
+            logger.info("{}: {} on the engine thread", module_name, description)
+
+
+def install_cpu_kernels() -> bool:
+    """Hook our attention and SwiGLU into every imported mlx-lm model module that uses mlx-lm's own,
+    when models run on the CPU; True if hooked. Call after loading a model (its module is then
+    imported), on the engine thread. `SEMANTIC_NO_FAST_ATTENTION` turns both off."""
+    if mx.default_device() != mx.cpu or os.environ.get("SEMANTIC_NO_FAST_ATTENTION"):
+        return False
+    original_attention = base.scaled_dot_product_attention
+    attention = _attention_hook(original_attention)
+    _install("scaled_dot_product_attention", original_attention, attention, base, cpu_attention.describe())
+    swiglu = _swiglu_hook(activations.swiglu)
+    _install("swiglu", activations.swiglu, swiglu, activations, "SwiGLU with the polynomial exponential")
+    return True
