@@ -2,7 +2,10 @@
 
     python -m semantic.launch python scripts/make_tool_model.py [--claude PATH] [--out DIR]
 
-1. Record: the real Claude Code CLI runs sub-agent round trips against a scripted model
+1. Record (or reuse `tests/data/claude_code_sessions.json`, recorded this way and committed: a
+   fresh recording differs in its temp paths and dates, and so does the model trained on it; one
+   such build answered the test's sub-agent question wrongly where another answered it right):
+   the real Claude Code CLI runs sub-agent round trips against a scripted model
    (`claude_code_recorder.py`): each session asks the main agent to have the `reader` sub-agent read
    a file and report its secret word, then says thanks. Files, words, paths and wordings differ
    per session.
@@ -41,6 +44,7 @@ from tool_model_training import train_top_layers
 
 TOOL_MODEL_NAME = "SmolLM2-135M-Instruct-tools"
 TRAINED_LAYERS = 8
+RECORDED = Path(__file__).resolve().parents[1] / "tests" / "data" / "claude_code_sessions.json"
 WORDS = [
     "apricot",
     "harbor",
@@ -143,7 +147,11 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--recorded", type=Path, help="keep the recorded sessions in this JSON file and reuse them"
+        "--recorded",
+        type=Path,
+        default=RECORDED,
+        help="keep the recorded sessions in this JSON file and reuse them (default: the committed "
+        "recording, so every build trains on the same examples; name a new file to record afresh)",
     )
     args = parser.parse_args(argv)
     base = ensure_default_model("float32")
