@@ -104,7 +104,7 @@ class FoldingBatchGenerator(BatchGenerator):
         self._head = head
 
     def _foldable(self) -> bool:
-        if len(self._currently_processing) != 1 or len(self._prompt_batch) != 1:
+        if len(self._currently_processing) != 1:  # one entry per sequence of the prompt batch
             return False
         segments = self._currently_processing[0][0]
         return len(segments) == 2 and len(segments[1]) == 1 and 0 < len(segments[0]) < self.prefill_step_size
