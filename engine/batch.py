@@ -34,6 +34,8 @@ from semantic.engine.messages import (
     PromptStarted,
     TokenDelta,
 )
+from semantic.engine.mixed_step import mixed_forward_for
+from semantic.engine.mixing_generator import MixingBatchGenerator
 from semantic.engine.outbox import Outbox
 from semantic.engine.prefill_budget import PrefillBudget
 from semantic.engine.sampling import make_sampler
@@ -61,6 +63,7 @@ class Batch:
         self._stream = stream
         with mx.stream(stream):  # a pipelined or sharded model is not folded: its ranks step in lockstep
             self._fold_head = fold_head(loaded.model, foldable=loaded.layout is None)
+            self._mixed = mixed_forward_for(loaded.model, self._fold_head) if config.mixed_step else None
         self._generator = self._new_generator()
         # mlx-lm returns a token one step after computing it, so its next step overlaps the caller's
         # work; MLX's CPU backend runs that step before the call returns, so there a first token
@@ -93,14 +96,16 @@ class Batch:
         # No stop tokens and (at insert) a token limit past the request's: the batch ends every
         # sequence itself (`_end`), reading its cache as views rather than as the copy of the whole
         # sequence that the generator makes of the sequences it ends.
-        return make_batch_generator(
-            self._loaded.model,
-            self._fold_head,
-            completion_batch_size=self._config.max_batch_size,
-            prefill_batch_size=self._config.num_prefilled_together,
-            prefill_step_size=self._config.num_tokens_per_prefill_step,
-            stream=self._stream,
-        )
+        options: dict[str, Any] = {
+            "completion_batch_size": self._config.max_batch_size,
+            "prefill_batch_size": self._config.num_prefilled_together,
+            "prefill_step_size": self._config.num_tokens_per_prefill_step,
+            "stream": self._stream,
+        }
+        if self._mixed is not None and self._fold_head is not None:
+            head, mixed = self._fold_head, self._mixed
+            return MixingBatchGenerator(self._loaded.model, head=head, mixed=mixed, **options)
+        return make_batch_generator(self._loaded.model, self._fold_head, **options)
 
     def close(self) -> None:
         self._generator.close()

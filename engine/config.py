@@ -21,6 +21,8 @@ class EngineConfig:
     # While others decode, a tick prefills what takes about this many of their decode steps
     # (engine/prefill_budget.py); 0: always `prefill_step_size`.
     prefill_stall_ratio: float = 1.0
+    # Decode rows and a prompt's chunk in one forward pass where the model allows (engine/mixed_step.py).
+    mixed_step: bool = True
     # Waiting prompts are admitted shortest uncached part first; one waiting this long goes first.
     shortest_first_max_wait_s: float = 60.0
     tick_s: float = 0.010

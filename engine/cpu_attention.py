@@ -13,7 +13,7 @@ history spent 6.5 s of 9 s in it (SmolLM2-135M, 2 cores). Here:
 - with many rows, the normaliser comes out of the second matmul (values with a column of ones)
   instead of a separate sum over every score.
 
-Metal and CUDA keep their fused kernels: `cpu_kernels.install_cpu_kernels` routes mlx-lm's attention
+Metal and CUDA keep their fused kernels: `cpu_kernels.install_kernel_hooks` routes mlx-lm's attention
 here only when the model runs on the CPU, only on the engine thread, and only for attention it can
 do exactly as mlx-lm would (no attention sinks, no quantized KV cache).
 """

@@ -1,10 +1,12 @@
-"""The CPU kernels' hooks: mlx-lm's model modules call module globals (`scaled_dot_product_attention`,
-`swiglu`) that we replace, on the CPU, with `cpu_attention` and `cpu_swiglu`.
+"""Hooks into mlx-lm's model modules, which call module globals (`scaled_dot_product_attention`,
+`swiglu`) that we replace.
 
-Each hook uses our kernel only on a thread that asked for it (the engine thread, inside
-`cpu_kernels_on_this_thread`) and only where it computes what mlx-lm would (no attention sinks, no
-quantized KV cache; float32 SwiGLU); everywhere else it is mlx-lm's own function, bit for bit.
-Metal and CUDA keep their fused kernels: nothing is hooked unless models run on the CPU.
+Attention is hooked on every backend, for one reason everywhere: a packed pass (`mixed_step.py`)
+hands it a `PackedLayerCache`, and each group is attended apart. On the CPU the hooks also use our
+kernels, `cpu_attention` and `cpu_swiglu`, but only on a thread that asked for them (the engine
+thread, inside `cpu_kernels_on_this_thread`) and only where they compute what mlx-lm would (no
+attention sinks, no quantized KV cache; float32 SwiGLU); everywhere else each is mlx-lm's own
+function, bit for bit. Metal and CUDA keep their fused kernels.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from loguru import logger
 from mlx_lm.models import activations, base
 
 from semantic.engine import cpu_attention, cpu_swiglu
+from semantic.engine.mixed_step import PackedLayerCache, packed_attention
 
 _engine_thread = threading.local()
 
@@ -37,7 +40,11 @@ def cpu_kernels_on_this_thread() -> Iterator[None]:
         _engine_thread.enabled = previous
 
 
-def _attention_hook(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+def _on_engine_thread() -> bool:
+    return getattr(_engine_thread, "enabled", False)
+
+
+def _attention_hook(original: Callable[..., mx.array], cpu_kernels: bool) -> Callable[..., mx.array]:
     @functools.wraps(original)
     def scaled_dot_product_attention(
         queries: mx.array,
@@ -48,9 +55,14 @@ def _attention_hook(original: Callable[..., mx.array]) -> Callable[..., mx.array
         mask: mx.array | str | None,
         sinks: mx.array | None = None,
     ) -> mx.array:
-        if not getattr(_engine_thread, "enabled", False) or sinks is not None or hasattr(cache, "bits"):
-            return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-        return cpu_attention.attention(queries, keys, values, scale, mask)
+        def attend(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Any) -> Any:
+            if not (cpu_kernels and _on_engine_thread()) or sinks is not None or hasattr(cache, "bits"):
+                return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+            return cpu_attention.attention(queries, keys, values, scale, mask)
+
+        if isinstance(cache, PackedLayerCache):
+            return packed_attention(queries, keys, values, cache, scale, attend)
+        return attend(queries, keys, values, cache, scale, mask)
 
     return scaled_dot_product_attention
 
@@ -60,7 +72,7 @@ def _swiglu_hook(
 ) -> Callable[[mx.array, mx.array], mx.array]:
     @functools.wraps(original)
     def swiglu(gate: mx.array, x: mx.array) -> mx.array:
-        ours = getattr(_engine_thread, "enabled", False) and gate.dtype == x.dtype == mx.float32
+        ours = _on_engine_thread() and gate.dtype == x.dtype == mx.float32
         if not ours or gate.shape != x.shape:
             return original(gate, x)
         return cpu_swiglu.swiglu(gate, x)
@@ -76,15 +88,17 @@ def _install(name: str, original: Any, hook: Any, home: Any, description: str) -
             logger.info("{}: {} on the engine thread", module_name, description)
 
 
-def install_cpu_kernels() -> bool:
-    """Hook our attention and SwiGLU into every imported mlx-lm model module that uses mlx-lm's own,
-    when models run on the CPU; True if hooked. Call after loading a model (its module is then
-    imported), on the engine thread. `SEMANTIC_NO_FAST_ATTENTION` turns both off."""
-    if mx.default_device() != mx.cpu or os.environ.get("SEMANTIC_NO_FAST_ATTENTION"):
-        return False
+def install_kernel_hooks() -> bool:
+    """Hook attention into every imported mlx-lm model module that uses mlx-lm's own (packed passes
+    need it on every backend), and on the CPU SwiGLU too, with our kernels; True if the CPU kernels
+    are on. Call after loading a model (its module is then imported), on the engine thread.
+    `SEMANTIC_NO_FAST_ATTENTION` keeps mlx-lm's own kernels."""
+    cpu_kernels = mx.default_device() == mx.cpu and not os.environ.get("SEMANTIC_NO_FAST_ATTENTION")
     original_attention = base.scaled_dot_product_attention
-    attention = _attention_hook(original_attention)
-    _install("scaled_dot_product_attention", original_attention, attention, base, cpu_attention.describe())
-    swiglu = _swiglu_hook(activations.swiglu)
-    _install("swiglu", activations.swiglu, swiglu, activations, "SwiGLU with the polynomial exponential")
-    return True
+    attention = _attention_hook(original_attention, cpu_kernels)
+    description = cpu_attention.describe() if cpu_kernels else "packed passes attended per group"
+    _install("scaled_dot_product_attention", original_attention, attention, base, description)
+    if cpu_kernels:
+        swiglu = _swiglu_hook(activations.swiglu)
+        _install("swiglu", activations.swiglu, swiglu, activations, "SwiGLU with the polynomial exponential")
+    return cpu_kernels

@@ -86,7 +86,7 @@ def last_position_head(model: Any) -> LastPositionHead | None:
     return split if agrees else None
 
 
-class _GivenLogits:
+class GivenLogits:
     """Stands in for the model in `GenerationBatch`'s first step: the logits are already computed."""
 
     def __init__(self, logits: mx.array) -> None:
@@ -109,16 +109,18 @@ class FoldingBatchGenerator(BatchGenerator):
         segments = self._currently_processing[0][0]
         return len(segments) == 2 and len(segments[1]) == 1 and 0 < len(segments[0]) < self.prefill_step_size
 
-    def _fold(self) -> PromptProcessingBatch.Response:
-        """Prefill the lone prompt's rest and its last token in one pass; it joins the decode batch."""
+    def _fold(self, logits: mx.array | None = None) -> PromptProcessingBatch.Response:
+        """Prefill the lone prompt's rest and its last token in one pass (or take the logits of a pass
+        that already did); it joins the decode batch."""
         segments, _, total = self._currently_processing[0]
         body, last = segments
         batch = self._prompt_batch
         tic = time.perf_counter()
         batch.tokens[0] += body  # the tokens in the cache; the first step adds `last`
-        logits = self._head(mx.array([body + last]), batch.prompt_cache)
+        if logits is None:
+            logits = self._head(mx.array([body + last]), batch.prompt_cache)
         generation = GenerationBatch(
-            _GivenLogits(logits),  # type: ignore[arg-type]
+            GivenLogits(logits),  # type: ignore[arg-type]
             batch.uids,
             mx.array(last),
             batch.prompt_cache,

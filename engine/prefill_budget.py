@@ -10,7 +10,9 @@ With a stall ratio r, n = r·D/p holds a running stream's time between tokens ne
 D and p are measured as the engine runs (moving averages), so the budget follows the backend and
 the model: a GPU, whose prefill is cheap next to its decode step, gets big chunks; a CPU small
 ones. p is measured at the chunk size in use, per-chunk overheads included, so the estimate
-settles where a chunk really takes r·D. With nothing decoding, a prompt prefills in full chunks.
+settles where a chunk really takes r·D: where decode and chunk share one forward pass
+(`mixed_step.py`) p is the tokens' marginal cost, and where they are two passes it includes the
+chunk's own read of the weights. With nothing decoding, a prompt prefills in full chunks.
 
 A prompt whose uncached part fits one chunk goes in whole even while streams decode: a returning
 agent's turn (its new messages on top of a cached history) costs the running streams one longer

@@ -52,7 +52,7 @@ class Runtime:
         mlx_seams.check_version()
         loaded = load_model(source, config.block_size, config.default_dtype, name, config.models_dir, layout)
         mlx_seams.check_seams(loaded.model)
-        cpu_kernels.install_cpu_kernels()
+        cpu_kernels.install_kernel_hooks()
         spec = loaded.spec
         codec = BlockCodec.for_spec(spec, config.idle_kv_bits)
         budget_bytes = config.cache_budget_mb * 2**20

@@ -74,7 +74,7 @@ def frozen_states(model: nn.Module, examples: list[Example], first_trained: int)
     token order, so each shares the longest head with the one before: its cache is cut back to the
     shared head and only the rest is run."""
     layers = model.model.layers[:first_trained]
-    cpu_kernels.install_cpu_kernels()
+    cpu_kernels.install_kernel_hooks()
     caches = [KVCache() for _ in layers]
     states: dict[int, mx.array] = {}
     previous_tokens: list[int] = []

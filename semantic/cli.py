@@ -130,6 +130,13 @@ def _settings_args(parser: argparse.ArgumentParser, server: bool) -> None:
         help="under mlx.launch: split the model's layers over the ranks instead of its heads",
     )
     parser.add_argument(
+        "--no-mixed-step",
+        dest="setting:engine.mixed_step",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="decode and prefill in two forward passes a tick (mlx-lm's way) instead of one",
+    )
+    parser.add_argument(
         "--alias",
         dest="setting:model.aliases",
         action="append",
@@ -202,6 +209,7 @@ def _system_config(settings: Settings) -> SystemConfig:
         prefill_batch_size=settings.engine.prefill_batch_size or None,
         prefill_step_size=settings.engine.prefill_step_size or None,
         prefill_stall_ratio=settings.engine.prefill_stall_ratio,
+        mixed_step=settings.engine.mixed_step,
         shortest_first_max_wait_s=settings.engine.shortest_first_max_wait_s,
         pipeline=settings.engine.pipeline,
         rank_timeout_s=settings.engine.rank_timeout_s,

@@ -100,7 +100,7 @@ def hooked_model(default_model_dir: Path) -> Any:
 
     loaded = load_model(str(default_model_dir))
     assert mx.default_device() == mx.cpu
-    assert cpu_kernels.install_cpu_kernels()
+    assert cpu_kernels.install_kernel_hooks()
     return loaded.model
 
 

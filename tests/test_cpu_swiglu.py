@@ -36,7 +36,7 @@ def hooked(default_model_dir: Path) -> Any:
     from semantic.engine.loading import load_model
 
     load_model(str(default_model_dir))  # imports the llama module the hook goes into
-    assert cpu_kernels.install_cpu_kernels()
+    assert cpu_kernels.install_kernel_hooks()
     return llama.swiglu
 
 

@@ -1,0 +1,93 @@
+"""A BatchGenerator whose step decodes and prefills in one forward pass (`mixed_step.py`).
+
+A step of mlx-lm's generator decodes one token for every generating sequence and then prefills a
+chunk of the prompt batch. Where one prompt is being prefilled beside sequences that decode, this
+generator runs both as one packed pass and hands each side its logits: the decode batch through
+mlx-lm's own `GenerationBatch` step (sampling, logits processors and grammars are mlx-lm's), the
+prompt's chunk by the same bookkeeping as mlx-lm's prefill, or, when the chunk ends the prompt, by
+the fold's hand-over to the decode batch. Any other step (nothing decoding, several prompts, a
+prompt down to mlx-lm's lone last token) is the folding generator's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import PromptProcessingBatch
+
+from semantic.engine.last_token_fold import FoldingBatchGenerator, GivenLogits, LastPositionHead
+from semantic.engine.mixed_step import MixedForward
+
+
+class MixingBatchGenerator(FoldingBatchGenerator):
+    def __init__(self, model: Any, *, head: LastPositionHead, mixed: MixedForward, **kwargs: Any) -> None:
+        super().__init__(model, head=head, **kwargs)
+        self._mixed = mixed
+        self.num_mixed_steps = 0  # steps that decoded and prefilled in one pass
+
+    def _next(self) -> tuple[list[Any], list[Any]]:
+        mixed = self._mixed_next()
+        return mixed if mixed is not None else super()._next()
+
+    def _admit_prompts(self) -> None:
+        # As mlx-lm's step does after decoding: nothing here depends on the decode step's outcome.
+        n = min(
+            self.prefill_batch_size - len(self._prompt_batch),
+            self.completion_batch_size - len(self._generation_batch),
+            len(self._unprocessed_sequences),
+        )
+        if n > 0:
+            self._prompt_batch.extend(self._make_batch(n))
+
+    def _mixed_next(self) -> tuple[list[Any], list[Any]] | None:
+        """Decode and prefill the lone prompt's next chunk in one pass; None where this step is not one
+        such (the folding generator's step then runs)."""
+        generation = self._generation_batch
+        if not 0 < len(generation) < self.completion_batch_size:
+            return None
+        self._admit_prompts()
+        if len(self._currently_processing) != 1:
+            return None
+        segments = self._currently_processing[0][0]
+        if len(segments) == 1 and len(segments[0]) == 1:
+            return None  # mlx-lm's hand-over of a prompt's lone last token
+        folds = self._foldable()
+        chunk = segments[0] + segments[1] if folds else segments[0][: self.prefill_step_size]
+        prompt_caches = self._prompt_batch.prompt_cache
+
+        tic = time.perf_counter()
+        decode_logits, last_logits = self._mixed(
+            generation._next_tokens, generation.prompt_cache, chunk, prompt_caches, folds
+        )
+        generation.model = GivenLogits(decode_logits)
+        try:
+            generation_responses = generation.next()
+        finally:
+            generation.model = self.model
+        mx.async_eval([c.state for c in prompt_caches])  # computed with the decode step's logits
+        self._counters.decode_time += time.perf_counter() - tic
+        self._counters.generation_tokens += len(generation_responses)
+        self._counters.generation_steps += 1
+        if self._counters.generation_steps % 512 == 0:
+            mx.clear_cache()
+        self.num_mixed_steps += 1
+        if folds:
+            return [self._fold(last_logits)], generation_responses
+        return [self._prefilled(chunk)], generation_responses
+
+    def _prefilled(self, chunk: list[int]) -> PromptProcessingBatch.Response:
+        """mlx-lm's bookkeeping for a chunk of the lone prompt that a packed pass prefilled."""
+        sequence = self._currently_processing[0]
+        segments = sequence[0]
+        response = PromptProcessingBatch.Response(self._prompt_batch.uids[0], (0, 0), False, False)
+        segments[0] = segments[0][len(chunk) :]
+        if not segments[0]:
+            segments.pop(0)
+            response.end_of_segment = True
+        sequence[1] += len(chunk)
+        response.progress = (sequence[1], sequence[2])
+        self._prompt_batch.tokens[0] += chunk
+        self._counters.prompt_tokens += len(chunk)
+        return response

@@ -1,0 +1,155 @@
+"""Decode rows and a prompt chunk in one forward pass (engine/mixed_step.py, engine/mixing_generator.py).
+
+On the real model stepped by hand: a stream decodes while a cold prompt is prefilled beside it in
+chunks; with packed passes and with mlx-lm's two passes alike, both replies equal mlx-lm's own
+greedy output and every prompt token runs once. The packed pass itself equals the two passes'
+logits and caches, on the real model and on tiny random-weight models of other architectures; a
+sliding-window model keeps two passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import BatchKVCache
+
+from semantic.engine import cpu_kernels, mlx_seams
+from semantic.engine.last_token_fold import forked_sources_match, last_position_head
+from semantic.engine.messages import Finished, PromptProgress, TokenDelta
+from semantic.engine.mixed_step import PackedLayerCache, _batch_caches, mixed_forward_for
+from semantic.engine.mixing_generator import MixingBatchGenerator
+from semantic.engine.outbox import Outbox
+from semantic.engine.runtime import Runtime
+from tests.batch_driver import chat, deliver, drain, loop, outbox, runtime, submit
+
+__all__ = ["loop", "outbox", "runtime"]  # fixtures
+
+pytestmark = pytest.mark.skipif(
+    not forked_sources_match(), reason="the installed mlx-lm is not the one `_next` was forked from"
+)
+
+
+@pytest.fixture(params=["one pass", "two passes"])
+def passes(runtime: Runtime, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The batch with the mixing generator, or with the folding one alone; put back after."""
+    batch = runtime.batch
+    mixed = batch._mixed
+    assert mixed is not None  # SmolLM2 packs
+    if request.param == "two passes":
+        batch._mixed = None
+        batch._generator = batch._new_generator()
+    assert isinstance(batch._generator, MixingBatchGenerator) == (request.param == "one pass")
+    yield request.param
+    batch._mixed = mixed
+    batch._generator = batch._new_generator()
+
+
+def test_a_prompt_prefilled_beside_a_decoding_stream_gives_mlx_lm_s_tokens(
+    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop, passes: str
+) -> None:
+    batch = runtime.batch
+    generator = batch._generator
+    streaming = chat(runtime, f"{uuid.uuid4().hex} Write a short poem about the sea.")
+    cold = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise these notes for me. " * 40)
+    chunk = 64
+    assert len(cold) > 3 * chunk
+    stream = submit(runtime, loop, streaming, 24)
+    steps = 0
+    while not any(isinstance(e, TokenDelta) for e in drain(stream)):  # the stream is decoding
+        batch.step(chunk)
+        deliver(runtime, outbox, loop)
+        steps += 1
+        assert steps < 20
+    processed_before = mlx_seams.num_prompt_tokens_processed(generator)
+    mixed_before = getattr(generator, "num_mixed_steps", 0)
+    prompt = submit(runtime, loop, cold, 6)
+
+    events: dict[str, list[object]] = {"stream": [], "prompt": []}
+    while not all(any(isinstance(e, Finished) for e in got) for got in events.values()):
+        steps += 1
+        assert steps < 80, "the requests did not finish"
+        batch.step(chunk)
+        deliver(runtime, outbox, loop)
+        events["stream"] += drain(stream)
+        events["prompt"] += drain(prompt)
+
+    eos = runtime.loaded.eos_token_ids
+
+    def tokens(got: list[object]) -> list[int]:
+        (finished,) = [e for e in got if isinstance(e, Finished)]
+        return [t for t in finished.generated_token_ids if t not in eos]
+
+    assert tokens(events["stream"]) == runtime.reference_generate(streaming, 24)
+    assert tokens(events["prompt"]) == runtime.reference_generate(cold, 6)
+    # The cold prompt went in chunks while the stream decoded, each token once (the fold counts the last).
+    assert mlx_seams.num_prompt_tokens_processed(generator) - processed_before == len(cold)
+    progress = [e.num_processed for e in events["prompt"] if isinstance(e, PromptProgress)]
+    assert len(progress) >= 3 and progress == sorted(progress)
+    num_mixed = getattr(generator, "num_mixed_steps", 0) - mixed_before
+    if passes == "one pass":
+        assert num_mixed >= len(cold) // chunk  # every chunk shared its pass with the stream's step
+    else:
+        assert num_mixed == 0
+
+
+def packed_against_two_passes(model: object) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """A packed pass and mlx-lm's two passes from the same caches: decode and last-chunk logits of each."""
+    split = last_position_head(model)
+    mixed = mixed_forward_for(model, split)
+    assert mixed is not None
+    decode_histories, prompt_history = [[5, 6, 7, 8, 9, 10], [11, 12]], [13, 14, 15, 16, 17]
+    decode_tokens, chunk = [18, 19], [20, 21, 22, 23]
+    decode = _batch_caches(model, decode_histories)
+    prompt = _batch_caches(model, [prompt_history])
+    ours, ours_last = mixed(mx.array(decode_tokens), decode, chunk, prompt, True)
+    assert ours_last is not None
+    decode_ref = _batch_caches(model, decode_histories)
+    prompt_ref = _batch_caches(model, [prompt_history])
+    theirs = model(mx.array(decode_tokens)[:, None], cache=decode_ref)  # type: ignore[operator]
+    theirs_last = model(mx.array([chunk]), cache=prompt_ref)[:, -1:, :]  # type: ignore[operator]
+    for packed, alone in zip([*decode, *prompt], [*decode_ref, *prompt_ref], strict=True):
+        assert packed._idx == alone._idx
+        assert mx.allclose(packed.keys[..., : packed._idx, :], alone.keys[..., : alone._idx, :], atol=1e-5)
+    return ours, theirs, ours_last, theirs_last
+
+
+def test_the_packed_pass_gives_the_two_passes_logits_and_caches_on_the_real_model(
+    default_model_dir: Path,
+) -> None:
+    model, _ = load(str(default_model_dir))
+    cpu_kernels.install_kernel_hooks()
+    ours, theirs, ours_last, theirs_last = packed_against_two_passes(model)
+    assert mx.allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert mx.allclose(ours_last, theirs_last, rtol=1e-4, atol=1e-4)
+    assert mx.array_equal(mx.argmax(ours, axis=-1), mx.argmax(theirs, axis=-1))
+
+
+def test_other_architectures_pack_where_their_layers_allow(tiny_model_dirs: dict[str, Path]) -> None:
+    qwen2, _ = load(str(tiny_model_dirs["qwen2"]))  # attention biases, tied embeddings
+    cpu_kernels.install_kernel_hooks()
+    ours, theirs, ours_last, theirs_last = packed_against_two_passes(qwen2)
+    assert mx.allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert mx.allclose(ours_last, theirs_last, rtol=1e-4, atol=1e-4)
+    gemma3, _ = load(str(tiny_model_dirs["gemma3"]))  # sliding-window layers keep rotating caches
+    cpu_kernels.install_kernel_hooks()
+    assert mixed_forward_for(gemma3, last_position_head(gemma3)) is None
+
+
+def test_a_packed_layer_cache_splits_rows_between_the_two_caches() -> None:
+    decode, prompt = BatchKVCache([1, 0]), BatchKVCache([0])
+    decode.update_and_fetch(mx.zeros((2, 1, 3, 4)), mx.zeros((2, 1, 3, 4)))
+    offset = mx.array([2, 3, 0, 1, 2])
+    packed = PackedLayerCache(decode, prompt, 2, offset, None, None)
+    rows = mx.arange(5 * 4, dtype=mx.float32).reshape(5, 1, 1, 4)  # two decode rows, a chunk of three
+    keys, values = packed.update_and_fetch(rows, rows + 100)
+    assert keys.decode.shape == (2, 1, 4, 4) and keys.prompt.shape == (1, 1, 3, 4)
+    assert mx.array_equal(keys.decode[:, :, -1], rows[:2, :, 0])
+    assert mx.array_equal(keys.prompt[0, 0], rows[2:, 0, 0])
+    assert mx.array_equal(values.prompt[0, 0], rows[2:, 0, 0] + 100)
+    assert decode._idx == 4 and prompt._idx == 3 and packed.make_mask(1) is None
