@@ -102,9 +102,8 @@ class Batch:
             "prefill_step_size": self._config.num_tokens_per_prefill_step,
             "stream": self._stream,
         }
-        if self._mixed is not None and self._fold_head is not None:
-            head, mixed = self._fold_head, self._mixed
-            return MixingBatchGenerator(self._loaded.model, head=head, mixed=mixed, **options)
+        if self._mixed is not None and self._fold_head is not None:  # packing folds with the same head
+            return MixingBatchGenerator(self._loaded.model, mixed=self._mixed, **options)
         return make_batch_generator(self._loaded.model, self._fold_head, **options)
 
     def close(self) -> None:

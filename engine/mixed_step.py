@@ -149,9 +149,9 @@ def _probe(model: Any, mixed: MixedForward) -> bool:
     prompt_expected = model(mx.array([PROBE_CHUNK]), cache=reference_prompt)[:, -1:, :]
     assert last_logits is not None
     caches_agree = all(
-        _agrees(ours.keys_and_values()[0], theirs.keys_and_values()[0])
-        and _agrees(ours.keys_and_values()[1], theirs.keys_and_values()[1])
+        _agrees(a, b)
         for ours, theirs in zip([*decode, *prompt], [*reference_decode, *reference_prompt], strict=True)
+        for a, b in zip(ours.keys_and_values(), theirs.keys_and_values(), strict=True)
     )
     return caches_agree and _agrees(decode_logits, decode_expected) and _agrees(last_logits, prompt_expected)
 

@@ -17,13 +17,13 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
 
-from semantic.engine.last_token_fold import FoldingBatchGenerator, GivenLogits, LastPositionHead
+from semantic.engine.last_token_fold import FoldingBatchGenerator, GivenLogits
 from semantic.engine.mixed_step import MixedForward
 
 
 class MixingBatchGenerator(FoldingBatchGenerator):
-    def __init__(self, model: Any, *, head: LastPositionHead, mixed: MixedForward, **kwargs: Any) -> None:
-        super().__init__(model, head=head, **kwargs)
+    def __init__(self, model: Any, *, mixed: MixedForward, **kwargs: Any) -> None:
+        super().__init__(model, head=mixed.split, **kwargs)  # the packed pass's head folds lone prompts
         self._mixed = mixed
         self.num_mixed_steps = 0  # steps that decoded and prefilled in one pass
 
