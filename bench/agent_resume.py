@@ -35,6 +35,9 @@ FACTS = [
 
 
 def history_messages(num_turns: int) -> list[dict[str, str]]:
+    """A conversation of `num_turns` question/answer pairs and the question the agent answers next:
+    it ends with a user turn, as clients send it (a request ending with an assistant message would
+    put two assistant turns in a row on the next one, which the chat template merges)."""
     system = "You are a careful research assistant. " + " ".join(FACTS * 8)
     messages = [{"role": "system", "content": system}]
     for turn in range(num_turns):
@@ -50,6 +53,7 @@ def history_messages(num_turns: int) -> list[dict[str, str]]:
                 "content": f"Fact {turn % 6}: " + " ".join(FACTS[(turn + i) % 6] for i in range(5)),
             }
         )
+    messages.append({"role": "user", "content": f"Question {num_turns}: which fact surprises you most?"})
     return messages
 
 

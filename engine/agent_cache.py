@@ -25,6 +25,7 @@ from semantic.engine.block_pool import BlockPool, hash_block_tokens, hash_prefix
 from semantic.engine.cache_spec import ModelCacheSpec
 from semantic.engine.layer_caches import (
     BlockCodec,
+    HistoryKVCache,
     block_payload,
     full_layers_of,
     kv_of,
@@ -157,7 +158,7 @@ class AgentCacheStore:
                     trim,
                 )
                 return PreparedPrompt(agent_id, self._new_caches(), 0, "none")
-        caches = self._build_caches(agent, num_reused)
+        caches = self._build_caches(agent, num_reused, len(prompt))
         return PreparedPrompt(agent_id, caches, num_reused, "memory" if num_reused else "none")
 
     def num_reusable(self, agent_id: str | None, prompt: list[int], salt: str | None = None) -> int:
@@ -189,16 +190,22 @@ class AgentCacheStore:
             return PreparedPrompt(agent_id, self._new_caches(), 0, "none")
         num_reused = len(block_ids) * self.spec.block_size
         probe = AgentCache(agent_id, prompt[:num_reused], block_ids, [])
-        return PreparedPrompt(agent_id, self._build_caches(probe, num_reused), num_reused, "memory")
+        return PreparedPrompt(
+            agent_id, self._build_caches(probe, num_reused, len(prompt)), num_reused, "memory"
+        )
 
-    def _build_caches(self, agent: AgentCache, num_tokens: int) -> list[Any]:
+    def _build_caches(self, agent: AgentCache, num_tokens: int, prompt_length: int) -> list[Any]:
+        """Per-layer caches holding the agent's first `num_tokens` tokens, with room for the rest of
+        a `prompt_length`-token prompt and its first generated token."""
         if num_tokens == 0:
             return self._new_caches()
         block_ids = agent.block_ids[: self.spec.num_blocks_for(num_tokens)]
-        full_layers = [
-            (k[..., :num_tokens, :], v[..., :num_tokens, :])
-            for k, v in full_layers_of(self.pool, self.spec, block_ids, self.codec)
-        ]
+        in_blocks = min(len(block_ids) * self.spec.block_size, agent.num_tokens)
+        step = HistoryKVCache.step
+        capacity = -(-(prompt_length + 1) // step) * step
+        full_layers = full_layers_of(
+            self.pool, self.spec, block_ids, self.codec, room=max(0, capacity - in_blocks)
+        )
         sliding_trim = agent.num_tokens - num_tokens
         return layer_caches(
             self.spec, self._new_caches(), full_layers, num_tokens, agent.sliding_states, sliding_trim

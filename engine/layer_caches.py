@@ -14,10 +14,11 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_spec import ModelCacheSpec
+from semantic.engine.mlx_seams import batch_cache_over
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,17 +72,40 @@ class BlockCodec:
 
 
 def full_layers_of(
-    pool: BlockPool, spec: ModelCacheSpec, block_ids: list[int], codec: BlockCodec
+    pool: BlockPool, spec: ModelCacheSpec, block_ids: list[int], codec: BlockCodec, room: int = 0
 ) -> list[tuple[mx.array, mx.array]]:
-    """Each full-attention layer's keys and values over `block_ids`, concatenated in order."""
+    """Each full-attention layer's keys and values over `block_ids`, concatenated in order, and
+    `room` zeroed positions after them."""
     payloads = [pool.payload(block_id) for block_id in block_ids]
-    return [
-        (
-            mx.concatenate([codec.decode(p[slot][0]) for p in payloads], axis=2),
-            mx.concatenate([codec.decode(p[slot][1]) for p in payloads], axis=2),
-        )
-        for slot in range(len(spec.full_layer_ids))
-    ]
+
+    def joined(slot: int, part: int) -> mx.array:
+        arrays = [codec.decode(p[slot][part]) for p in payloads]
+        if room:
+            arrays.append(mx.zeros((*arrays[0].shape[:2], room, arrays[0].shape[3]), dtype=arrays[0].dtype))
+        return mx.concatenate(arrays, axis=2)
+
+    return [(joined(slot, 0), joined(slot, 1)) for slot in range(len(spec.full_layer_ids))]
+
+
+class HistoryKVCache(KVCache):
+    """A turn's full-attention layer rebuilt from pool blocks, with room after its history for the
+    turn's new tokens.
+
+    mlx-lm merges a prompt batch's caches into a `BatchKVCache` by copying each one, and the copy has
+    no room, so the first chunk copies it all again to grow it. A lone prompt (the CPU prefills one
+    at a time) hands its arrays to the batch cache instead: the history is copied once, out of the
+    blocks, and the prefill writes into the room in place. The cache is empty after the hand-over.
+    """
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> Any:
+        if len(caches) != 1 or caches[0].keys is None:
+            return BatchKVCache.merge(caches)
+        (cache,) = caches
+        batch = batch_cache_over(cache)
+        cache.keys = cache.values = None  # the batch cache's alone, so MLX may update it in place
+        cache.offset = 0
+        return batch
 
 
 def layer_caches(
@@ -95,7 +119,7 @@ def layer_caches(
     """Fill `caches` (fresh mlx-lm per-layer caches): full layers from keys and values, sliding
     ones from their states, trimmed by `sliding_trim` tokens."""
     for (keys, values), layer in zip(full_layers, spec.full_layer_ids, strict=True):
-        full = KVCache()
+        full = HistoryKVCache()
         full.state = (keys, values, num_tokens)
         caches[layer] = full
     for state, layer in zip(sliding_states, spec.sliding_layer_ids, strict=True):

@@ -71,6 +71,7 @@ def check_seams(model: Any = None) -> None:
     check_attention(base.scaled_dot_product_attention)
     check_cache_states()
     check_batch_cache_views()
+    check_batch_cache_takeover()
     check_responses()
 
 
@@ -234,6 +235,53 @@ def check_batch_cache_views() -> None:
         "BatchKVCache keeps `keys`, `values`, `left_padding` and `_idx`, and extract(i) copies "
         "keys[i, :, left_padding[i]:_idx] (cache_views reads them without the copy)",
         views_equal_extract,
+    )
+
+
+def batch_cache_over(cache: KVCache) -> BatchKVCache:
+    """A one-sequence BatchKVCache over `cache`'s own arrays, with no left padding: what
+    `BatchKVCache.merge([cache])` holds, without its copy of the whole history, and keeping the room
+    `cache` has past its offset for the tokens to come."""
+    batch: Any = BatchKVCache(left_padding=[0])
+    batch.keys, batch.values = cache.keys, cache.values
+    batch.offset = batch.offset + cache.offset
+    batch._idx = cache.offset
+    return batch
+
+
+def check_batch_cache_takeover() -> None:
+    """`batch_cache_over` sets the fields `merge` sets, and mlx-lm merges a prompt batch's caches
+    through the first cache's own `merge` (a layer cache can take the merge over)."""
+
+    def same_as_merge() -> bool:
+        history = mx.arange(1 * 2 * 3 * 2, dtype=mx.float32).reshape(1, 2, 3, 2)
+        room = mx.zeros((1, 2, 5, 2))
+        roomy, plain = KVCache(), KVCache()
+        roomy.state = (
+            mx.concatenate([history, room], axis=2),
+            mx.concatenate([history + 50, room], axis=2),
+            3,
+        )
+        plain.state = (history, history + 50, 3)
+        new = mx.ones((1, 2, 2, 2))
+        ours, theirs = batch_cache_over(roomy), BatchKVCache.merge([plain])
+        ours_kv, theirs_kv = ours.update_and_fetch(new, new), theirs.update_and_fetch(new, new)
+        return (
+            ours._idx == theirs._idx == 5
+            and ours.offset.tolist() == theirs.offset.tolist()
+            and ours.left_padding.tolist() == theirs.left_padding.tolist()
+            and all(bool(mx.array_equal(a, b)) for a, b in zip(ours_kv, theirs_kv, strict=True))
+        )
+
+    _require(
+        "BatchKVCache keeps `keys`, `values`, `offset`, `left_padding` and `_idx`, and merge([c]) holds "
+        "c's keys and values up to its offset (batch_cache_over builds the same without a copy)",
+        same_as_merge,
+    )
+    _require(
+        "PromptProcessingBatch merges its caches with the first cache's `merge` (a rebuilt history "
+        "hands its arrays over through it)",
+        lambda: ".merge([c[i] for c in caches])" in inspect.getsource(_generate_module._merge_caches),
     )
 
 

@@ -146,22 +146,27 @@ class PersistenceActor:
     # ---- the actor's task: the only code that reads or changes the index ----
 
     async def _run(self) -> None:
-        while True:
-            message, reply = await self._mailbox.get()
-            try:
-                result = await self._handle(message)
-            except Exception as error:
-                if not reply.done():
-                    reply.set_exception(error)
-            else:
-                if not reply.done():
-                    reply.set_result(result)
-            if isinstance(message, StopPersistence):
-                break
+        while await self._answer_next():
+            pass
         while not self._mailbox.empty():
             _, reply = self._mailbox.get_nowait()
             if not reply.done():
                 reply.set_exception(PersistenceStoppedError("the persistence actor stopped"))
+
+    async def _answer_next(self) -> bool:
+        """Take the next message and answer it; False once told to stop. Its own frame, so that
+        nothing a message carried (a cache's arrays, read or written) stays referenced while the
+        actor waits for the next one."""
+        message, reply = await self._mailbox.get()
+        try:
+            result = await self._handle(message)
+        except Exception as error:
+            if not reply.done():
+                reply.set_exception(error)
+        else:
+            if not reply.done():
+                reply.set_result(result)
+        return not isinstance(message, StopPersistence)
 
     async def _handle(self, message: PersistenceMessage) -> Any:
         match message:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import hashlib
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +15,10 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from semantic.actors.agent_id import AgentId
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.storage.cache_file import CacheFileError, CacheIdentity, read_cache_file, write_cache_file
+from semantic.storage.persistence import PersistenceActor
 
 IDENTITY = CacheIdentity("tiny", "f" * 32, 256, {"num_layers": 1}, vocab_size=1000)
 
@@ -101,3 +106,37 @@ def test_a_layer_shorter_than_the_token_list_is_refused(tmp_path: Path) -> None:
     write_cache_file(tmp_path / "short.safetensors", cache, IDENTITY)
     with pytest.raises(CacheFileError, match=r"full\.0\.keys does not hold the 40 tokens"):
         read_cache_file(tmp_path / "short.safetensors", IDENTITY)
+
+
+def test_the_persistence_actor_keeps_nothing_of_a_cache_once_it_has_answered(tmp_path: Path) -> None:
+    """A cache is tens of MB: neither the one written nor the one read may stay referenced by the
+    actor while it waits for its next message."""
+
+    async def tensor_read_back(actor: PersistenceActor) -> np.ndarray:
+        loaded = await actor.load(AgentId("agent-1"))
+        assert loaded is not None
+        return loaded.tensors["full.0.keys"]
+
+    async def settled() -> None:
+        for _ in range(3):  # the loop's callbacks that woke this task up let go of their futures
+            await asyncio.sleep(0)
+        gc.collect()
+
+    async def kept_while_waiting() -> tuple[bool, bool]:
+        actor = PersistenceActor(tmp_path, IDENTITY)
+        await actor.start()
+        try:
+            cache = a_cache()
+            saved = weakref.ref(cache.tensors["full.0.keys"])
+            assert await actor.save([cache]) == ["agent-1"]
+            del cache
+            await settled()
+            saved_kept = saved() is not None
+            read = weakref.ref(await tensor_read_back(actor))
+            await settled()
+            assert actor._task is not None and not actor._task.done()  # waiting for its next message
+            return saved_kept, read() is not None
+        finally:
+            await actor.stop()
+
+    assert asyncio.run(kept_while_waiting()) == (False, False)

@@ -7,13 +7,13 @@ import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from semantic.engine.agent_cache import AgentCacheStore
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_spec import LayerKind, ModelCacheSpec
 from semantic.engine.cache_tensors import from_tensors, to_tensors
-from semantic.engine.layer_caches import BlockCodec, full_layers_of
+from semantic.engine.layer_caches import BlockCodec, HistoryKVCache, full_layers_of
 from semantic.storage.cache_file import CacheIdentity, read_cache_file, write_cache_file
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 2, 32, 16
@@ -76,3 +76,63 @@ def test_a_cache_restored_from_its_file_holds_the_same_blocks(
                 mx.allclose(keys_back, keys, atol=0.1).item()
                 and mx.allclose(values_back, values, atol=0.1).item()
             )
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    num_tokens=st.integers(min_value=2, max_value=3 * BLOCK + 5),
+    num_new=st.integers(min_value=1, max_value=2 * BLOCK),
+    diverge_back=st.integers(min_value=0, max_value=BLOCK),
+)
+def test_a_returning_turn_s_cache_has_room_and_its_batch_takes_it_without_a_copy(
+    num_tokens: int, num_new: int, diverge_back: int
+) -> None:
+    store = a_store("float32", None)
+    tokens = list(range(7, 7 + num_tokens))
+    caches, history = [], []
+    for _ in range(LAYERS):
+        cache = KVCache()
+        keys, values = (mx.random.normal((1, HEADS, num_tokens, HEAD_DIM)) for _ in "kv")
+        cache.update_and_fetch(keys, values)
+        caches.append(cache)
+        history.append((keys, values))
+    store.store("agent", tokens, caches, [])
+    # The new prompt keeps the first tokens of the history and then goes its own way.
+    kept = max(1, num_tokens - diverge_back)
+    prompt = tokens[:kept] + list(range(5000, 5000 + num_new))
+
+    prepared = store.prepare("agent", prompt)
+
+    num_reused = prepared.num_cached_tokens
+    assert num_reused == min(kept, len(prompt) - 1)
+    new_keys = mx.random.normal((1, HEADS, len(prompt) - num_reused, HEAD_DIM))
+    for layer, (keys, values) in zip(prepared.caches, history, strict=True):
+        assert isinstance(layer, HistoryKVCache) and layer.offset == num_reused
+        assert layer.keys.shape[2] >= len(prompt) + 1  # the prefill and the first token fit
+        held = layer.keys
+        assert mx.array_equal(held[..., :num_reused, :], keys[..., :num_reused, :]).item()
+        assert mx.array_equal(layer.values[..., :num_reused, :], values[..., :num_reused, :]).item()
+
+        batch = HistoryKVCache.merge([layer])
+
+        assert batch.keys is held and layer.keys is None  # handed over, not copied
+        batch_keys, _ = batch.update_and_fetch(new_keys, new_keys)
+        assert batch.keys.shape == held.shape  # the new tokens went into the room
+        expected = mx.concatenate([keys[..., :num_reused, :], new_keys], axis=2)
+        assert mx.array_equal(batch_keys, expected).item()
+
+
+def test_two_rebuilt_caches_are_merged_as_mlx_lm_merges_them() -> None:
+    store = a_store("float32", None)
+    for agent, length in (("short", 5), ("long", 20)):
+        cache = KVCache()
+        cache.update_and_fetch(mx.ones((1, HEADS, length, HEAD_DIM)), mx.ones((1, HEADS, length, HEAD_DIM)))
+        store.store(agent, list(range(length)), [cache] * LAYERS, [])
+    short = store.prepare("short", [*range(5), 99])
+    long = store.prepare("long", [*range(20), 99])
+
+    merged = HistoryKVCache.merge([short.caches[0], long.caches[0]])
+
+    assert isinstance(merged, BatchKVCache) and merged.left_padding.tolist() == [15, 0]
+    keys, _ = merged.keys_and_values()
+    assert keys.shape[2] == 20 and short.caches[0].keys is not None  # copied, as mlx-lm does
