@@ -7,7 +7,11 @@ history spent 6.5 s of 9 s in it (SmolLM2-135M, 2 cores). Here:
 - the query heads that share a KV head are folded into the rows of one matmul per KV head;
 - the exponential is a degree-5 polynomial on 2^fraction, scaled by 2^integer built from the
   float's bits (relative error < 3e-7); the integer part is rounded with the 1.5·2^23 trick
-  rather than `floor`, so the kernel `mx.compile` builds is one vectorised loop;
+  rather than `floor`, and the compiled kernel returns the polynomial and the bits as two arrays
+  of the scores' shape, multiplied outside it: every input and output then has one shape, so
+  `mx.compile` builds one vectorised loop (a broadcast input, or a bit-cast inside, makes it an
+  element-at-a-time strided loop or splits it in several: 1.45 ms instead of 0.73 for the scores
+  of a 41-token turn over a 2.3K history, one SmolLM2 layer);
 - a causal mask only touches its last L columns, so the row maximum is taken over the rest
   unmasked;
 - with many rows, the normaliser comes out of the second matmul (values with a column of ones)
@@ -19,8 +23,6 @@ do exactly as mlx-lm would (no attention sinks, no quantized KV cache).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import mlx.core as mx
 from loguru import logger
@@ -43,44 +45,51 @@ EXP2_COEFFICIENTS = (
 MIN_ROWS_FOR_FOLDED_SUM = 16
 
 
-def exp2(t: mx.array) -> mx.array:
-    """2**t for t in [-126, 0]: 2**round(t) from the exponent bits times a polynomial in the rest."""
+def exp2_factors(t: mx.array) -> tuple[mx.array, mx.array]:
+    """2**t for t <= 0 (below -126 as 2**-126) as two factors: a polynomial in t's fraction, and
+    2**round(t) as the bits of a float32 (int32; `.view(mx.float32)` reads it). Elementwise only,
+    so that `mx.compile` fuses it into one loop; the caller multiplies the two outside."""
+    t = mx.where(t < MIN_EXPONENT, MIN_EXPONENT, t)  # `where` vectorises, NaN-aware `maximum` not
     whole = (t + ROUNDING) - ROUNDING
     fraction = t - whole
-    poly = mx.array(EXP2_COEFFICIENTS[0], dtype=mx.float32)
-    for coefficient in EXP2_COEFFICIENTS[1:]:
+    poly = fraction * EXP2_COEFFICIENTS[0] + EXP2_COEFFICIENTS[1]  # constants, not array inputs
+    for coefficient in EXP2_COEFFICIENTS[2:]:
         poly = poly * fraction + coefficient
-    return poly * ((whole.astype(mx.int32) + 127) << 23).view(mx.float32)
+    return poly, (whole.astype(mx.int32) + 127) << 23
 
 
-def _exp_shifted(scores: mx.array, row_max: mx.array) -> mx.array:
-    return exp2(mx.maximum((scores - row_max) * LOG2_E, MIN_EXPONENT))
+def exp2(t: mx.array) -> mx.array:
+    """2**t for t in [-126, 0]: 2**round(t) from the exponent bits times a polynomial in the rest."""
+    poly, bits = exp2_factors(t)
+    return poly * bits.view(mx.float32)
 
 
-def _exp_shifted_kept(scores: mx.array, row_max: mx.array, keep: mx.array) -> mx.array:
-    return mx.where(keep, _exp_shifted(scores, row_max), 0.0)
-
-
-def _exp_shifted_biased(scores: mx.array, row_max: mx.array, bias: mx.array) -> mx.array:
-    return _exp_shifted(scores + bias, row_max)
+def _log2_factors(shifted: mx.array) -> tuple[mx.array, mx.array]:
+    return exp2_factors(shifted * LOG2_E)
 
 
 class _Kernels:
-    """The exponentials, compiled into single loops where the JIT works, MLX's `exp` otherwise."""
+    """exp(scores - row max), masked or biased: the polynomial compiled into one loop where the JIT
+    works, MLX's `exp` otherwise."""
 
     def __init__(self, compiled: bool) -> None:
         self.compiled = compiled
-        self.plain: Callable[[mx.array, mx.array], mx.array]
-        self.kept: Callable[[mx.array, mx.array, mx.array], mx.array]
-        self.biased: Callable[[mx.array, mx.array, mx.array], mx.array]
-        if compiled:
-            self.plain = mx.compile(_exp_shifted)
-            self.kept = mx.compile(_exp_shifted_kept)
-            self.biased = mx.compile(_exp_shifted_biased)
-        else:
-            self.plain = lambda scores, row_max: mx.exp(scores - row_max)
-            self.kept = lambda scores, row_max, keep: mx.where(keep, mx.exp(scores - row_max), 0.0)
-            self.biased = lambda scores, row_max, bias: mx.exp(scores + bias - row_max)
+        self._factors = mx.compile(_log2_factors) if compiled else None
+
+    def _exp(self, shifted: mx.array) -> mx.array:
+        if self._factors is None:
+            return mx.exp(shifted)
+        poly, bits = self._factors(shifted)
+        return poly * bits.view(mx.float32)
+
+    def plain(self, scores: mx.array, row_max: mx.array) -> mx.array:
+        return self._exp(scores - row_max)
+
+    def kept(self, scores: mx.array, row_max: mx.array, keep: mx.array) -> mx.array:
+        return mx.where(keep, self._exp(scores - row_max), 0.0)
+
+    def biased(self, scores: mx.array, row_max: mx.array, bias: mx.array) -> mx.array:
+        return self._exp(scores + bias - row_max)
 
 
 _kernels: _Kernels | None = None
@@ -157,8 +166,7 @@ def attention(
 def jit_works() -> bool:
     """Whether `mx.compile` can build CPU kernels here (it needs a C++ compiler at run time)."""
     try:
-        probe = mx.array([[0.0, -1.0, -2.0]])
-        mx.eval(mx.compile(_exp_shifted)(probe, probe.max(axis=-1, keepdims=True)))
+        mx.eval(mx.compile(_log2_factors)(mx.array([[0.0, -1.0, -2.0]])))
         return True
     except Exception as exc:  # any failure means: use MLX's own exp
         logger.info("mx.compile cannot build CPU kernels here ({}); using mx.exp", exc)

@@ -13,25 +13,36 @@ Float32 only (the polynomial builds floats from their bits); other dtypes get ml
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import mlx.core as mx
 
-from semantic.engine.cpu_attention import LOG2_E, MIN_EXPONENT, exp2, jit_works
+from semantic.engine.cpu_attention import LOG2_E, exp2_factors, jit_works
 
 
-def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    e = exp2(mx.maximum(-mx.abs(gate) * LOG2_E, MIN_EXPONENT))
+def _exp_factors(gate: mx.array) -> tuple[mx.array, mx.array]:
+    return exp2_factors(-mx.abs(gate) * LOG2_E)
+
+
+def _swiglu_of(gate: mx.array, x: mx.array, e: mx.array) -> mx.array:
     sigmoid = mx.where(gate >= 0, 1.0, e) / (1.0 + e)
     return gate * sigmoid * x
 
 
-_compiled: Callable[[mx.array, mx.array], mx.array] | None = None
+class _Kernels:
+    """Two loops where the JIT works (exp(-|gate|)'s factors, then the rest: `cpu_attention` says why
+    the bit-cast between them stays outside), MLX's ops otherwise."""
+
+    def __init__(self, compiled: bool) -> None:
+        self.factors = mx.compile(_exp_factors) if compiled else _exp_factors
+        self.rest = mx.compile(_swiglu_of) if compiled else _swiglu_of
+
+
+_kernels: _Kernels | None = None
 
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """`silu(gate) * x` for float32 arrays of one shape (the caller checks both)."""
-    global _compiled
-    if _compiled is None:
-        _compiled = mx.compile(_swiglu) if jit_works() else _swiglu
-    return _compiled(gate, x)
+    global _kernels
+    if _kernels is None:
+        _kernels = _Kernels(jit_works())
+    poly, bits = _kernels.factors(gate)
+    return _kernels.rest(gate, x, poly * bits.view(mx.float32))
