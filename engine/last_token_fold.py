@@ -141,26 +141,16 @@ class FoldingBatchGenerator(BatchGenerator):
         self._generation_batch.extend(generation)
         return PromptProcessingBatch.Response(generation.uids[0], (total, total), True, True)
 
-    def _next(self) -> tuple[list[Any], list[Any]]:
-        # Forked from mlx-lm 0.32.2 `BatchGenerator._next`; only the block marked FOLD is ours.
-        generation_responses: list[Any] = []
-        prompt_responses: list[Any] = []
+    def _count_decode_step(self, tic: float, num_tokens: int) -> None:
+        """mlx-lm's counters for a decode step that began at `tic`."""
+        self._counters.decode_time += time.perf_counter() - tic
+        self._counters.generation_tokens += num_tokens
+        self._counters.generation_steps += 1
+        if self._counters.generation_steps % 512 == 0:
+            mx.clear_cache()
 
-        # Generate tokens first
-        if len(self._generation_batch) > 0:
-            tic = time.perf_counter()
-            generation_responses = self._generation_batch.next()
-            self._counters.decode_time += time.perf_counter() - tic
-            self._counters.generation_tokens += len(generation_responses)
-            self._counters.generation_steps += 1
-            if self._counters.generation_steps % 512 == 0:
-                mx.clear_cache()
-
-        # Exit early because we already have our hands full with decoding
-        if len(self._generation_batch) >= self.completion_batch_size:
-            return prompt_responses, generation_responses
-
-        # Check if we have sequences and add them to the prompt batch
+    def _admit_prompts(self) -> None:
+        """Move waiting sequences into the prompt batch, as far as both batches have room."""
         n = min(
             self.prefill_batch_size - len(self._prompt_batch),
             self.completion_batch_size - len(self._generation_batch),
@@ -168,6 +158,39 @@ class FoldingBatchGenerator(BatchGenerator):
         )
         if n > 0:
             self._prompt_batch.extend(self._make_batch(n))
+
+    def _take_chunk(self, index: int, num_tokens: int) -> tuple[list[int], PromptProcessingBatch.Response]:
+        """The next `num_tokens` of prompt `index`'s current segment, and mlx-lm's progress for it."""
+        seq = self._currently_processing[index]
+        response = PromptProcessingBatch.Response(self._prompt_batch.uids[index], 0, False, False)  # type: ignore[arg-type]
+        segments = seq[0]
+        chunk = segments[0][:num_tokens]
+        segments[0] = segments[0][num_tokens:]
+        if len(segments[0]) == 0:
+            segments.pop(0)
+            response.end_of_segment = True
+        seq[1] += len(chunk)
+        response.progress = (seq[1], seq[2])
+        return chunk, response
+
+    def _next(self) -> tuple[list[Any], list[Any]]:
+        # Forked from mlx-lm 0.32.2 `BatchGenerator._next`: the block marked FOLD is ours, and
+        # mlx-lm's own blocks are the three methods above, which the mixing generator shares.
+        generation_responses: list[Any] = []
+        prompt_responses: list[Any] = []
+
+        # Generate tokens first
+        if len(self._generation_batch) > 0:
+            tic = time.perf_counter()
+            generation_responses = self._generation_batch.next()
+            self._count_decode_step(tic, len(generation_responses))
+
+        # Exit early because we already have our hands full with decoding
+        if len(self._generation_batch) >= self.completion_batch_size:
+            return prompt_responses, generation_responses
+
+        # Check if we have sequences and add them to the prompt batch
+        self._admit_prompts()
 
         # Split the prompt sequences to the ones moving to generation and the rest
         keep = []
@@ -204,16 +227,8 @@ class FoldingBatchGenerator(BatchGenerator):
         # Extract the next prompts input
         prompts = []
         for i, seq in enumerate(self._currently_processing):
-            response = PromptProcessingBatch.Response(self._prompt_batch.uids[i], 0, False, False)  # type: ignore[arg-type]
-            segments = seq[0]
-            n = min(len(segments[0]), self.prefill_step_size)
-            prompts.append(segments[0][:n])
-            segments[0] = segments[0][n:]
-            if len(segments[0]) == 0:
-                segments.pop(0)
-                response.end_of_segment = True
-            seq[1] += len(prompts[-1])
-            response.progress = (seq[1], seq[2])
+            chunk, response = self._take_chunk(i, min(len(seq[0][0]), self.prefill_step_size))
+            prompts.append(chunk)
             prompt_responses.append(response)
 
         # Process the prompts

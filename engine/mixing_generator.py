@@ -31,23 +31,13 @@ class MixingBatchGenerator(FoldingBatchGenerator):
         mixed = self._mixed_next()
         return mixed if mixed is not None else super()._next()
 
-    def _admit_prompts(self) -> None:
-        # As mlx-lm's step does after decoding: nothing here depends on the decode step's outcome.
-        n = min(
-            self.prefill_batch_size - len(self._prompt_batch),
-            self.completion_batch_size - len(self._generation_batch),
-            len(self._unprocessed_sequences),
-        )
-        if n > 0:
-            self._prompt_batch.extend(self._make_batch(n))
-
     def _mixed_next(self) -> tuple[list[Any], list[Any]] | None:
         """Decode and prefill the lone prompt's next chunk in one pass; None where this step is not one
         such (the folding generator's step then runs)."""
         generation = self._generation_batch
         if not 0 < len(generation) < self.completion_batch_size:
             return None
-        self._admit_prompts()
+        self._admit_prompts()  # before decoding, unlike mlx-lm: nothing here depends on its outcome
         if len(self._currently_processing) != 1:
             return None
         segments = self._currently_processing[0][0]
@@ -67,11 +57,7 @@ class MixingBatchGenerator(FoldingBatchGenerator):
         finally:
             generation.model = self.model
         mx.async_eval([c.state for c in prompt_caches])  # computed with the decode step's logits
-        self._counters.decode_time += time.perf_counter() - tic
-        self._counters.generation_tokens += len(generation_responses)
-        self._counters.generation_steps += 1
-        if self._counters.generation_steps % 512 == 0:
-            mx.clear_cache()
+        self._count_decode_step(tic, len(generation_responses))
         self.num_mixed_steps += 1
         if folds:
             return [self._fold(last_logits)], generation_responses
@@ -79,15 +65,7 @@ class MixingBatchGenerator(FoldingBatchGenerator):
 
     def _prefilled(self, chunk: list[int]) -> PromptProcessingBatch.Response:
         """mlx-lm's bookkeeping for a chunk of the lone prompt that a packed pass prefilled."""
-        sequence = self._currently_processing[0]
-        segments = sequence[0]
-        response = PromptProcessingBatch.Response(self._prompt_batch.uids[0], (0, 0), False, False)
-        segments[0] = segments[0][len(chunk) :]
-        if not segments[0]:
-            segments.pop(0)
-            response.end_of_segment = True
-        sequence[1] += len(chunk)
-        response.progress = (sequence[1], sequence[2])
+        _, response = self._take_chunk(0, len(chunk))
         self._prompt_batch.tokens[0] += chunk
         self._counters.prompt_tokens += len(chunk)
         return response
