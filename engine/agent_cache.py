@@ -23,6 +23,7 @@ from loguru import logger
 
 from semantic.engine.block_pool import BlockPool, hash_block_tokens, hash_prefix_blocks, salt_root
 from semantic.engine.cache_spec import ModelCacheSpec
+from semantic.engine.cache_tensors import CacheSnapshot, HostSnapshot
 from semantic.engine.layer_caches import (
     BlockCodec,
     HistoryKVCache,
@@ -33,31 +34,6 @@ from semantic.engine.layer_caches import (
     rotating_can_trim,
     sliding_state,
 )
-
-# None for an agent with no tokens yet.
-LayerKV = tuple[mx.array | None, mx.array | None]
-
-
-@dataclass(slots=True)
-class CacheSnapshot:
-    """An agent's whole cache outside the pool: what persistence writes and reads."""
-
-    agent_id: str
-    token_ids: list[int]
-    full_layers: list[LayerKV]
-    sliding_layers: list[tuple[Any, ...]]
-
-
-@dataclass(slots=True)
-class HostSnapshot:
-    """An agent's cache as read from its file: full layers as numpy arrays (bfloat16 as uint16), of
-    `dtype` once in MLX; sliding-window states already MLX arrays."""
-
-    agent_id: str
-    token_ids: list[int]
-    full_layers: list[tuple[np.ndarray | None, np.ndarray | None]]
-    sliding_layers: list[tuple[Any, ...]]
-    dtype: mx.Dtype
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""An agent's cache as numpy arrays: what crosses from the engine thread to the disk writers.
+"""An agent's cache outside the pool (snapshots) and as numpy arrays: what crosses from the engine
+thread to the disk writers.
 
 Both directions run on the engine thread, which owns every MLX array; the numpy side is plain
 memory that a worker thread may read and write.
@@ -7,14 +8,39 @@ memory that a worker thread may read and write.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from semantic.engine.agent_cache import CacheSnapshot, HostSnapshot
-
 # numpy has no bfloat16: arrays travel as unsigned integers of the same width and are viewed back.
 _STORAGE_VIEW = {2: (mx.uint16, np.uint16), 4: (mx.uint32, np.uint32), 1: (mx.uint8, np.uint8)}
+
+
+# None for an agent with no tokens yet.
+LayerKV = tuple[mx.array | None, mx.array | None]
+
+
+@dataclass(slots=True)
+class CacheSnapshot:
+    """An agent's whole cache outside the pool: what persistence writes and reads."""
+
+    agent_id: str
+    token_ids: list[int]
+    full_layers: list[LayerKV]
+    sliding_layers: list[tuple[Any, ...]]
+
+
+@dataclass(slots=True)
+class HostSnapshot:
+    """An agent's cache as read from its file: full layers as numpy arrays (bfloat16 as uint16), of
+    `dtype` once in MLX; sliding-window states already MLX arrays."""
+
+    agent_id: str
+    token_ids: list[int]
+    full_layers: list[tuple[np.ndarray | None, np.ndarray | None]]
+    sliding_layers: list[tuple[Any, ...]]
+    dtype: mx.Dtype
 
 
 @dataclass(slots=True)
