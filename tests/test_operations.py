@@ -141,7 +141,7 @@ def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  
         "--max-body-mb",
         "1",
         "--agent-rate-per-s",
-        "0.05",
+        "0.0002",
         "--agent-rate-burst",
         "2",
         "--default-max-tokens",
@@ -216,7 +216,8 @@ def test_requests_are_measured_logged_and_rate_limited(server: ServerProcess) ->
     )
     cached = second.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
     assert cached > 0
-    # The bucket held 2 and refills once every 20 s: the third request in a row is refused.
+    # The bucket held 2 and refills once every 5,000 s (so however slow the machine is, no token
+    # comes back between these requests): the third request in a row is refused.
     with pytest.raises(openai.RateLimitError, match="agent 'metered' is over its rate limit") as limited:
         client.chat.completions.create(model="default", messages=QUESTION, max_tokens=8, extra_body=session)
     assert int(limited.value.response.headers["retry-after"]) >= 1
