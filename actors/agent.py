@@ -303,8 +303,12 @@ class AgentActor:
 
     def _fail_queued(self) -> None:
         while not self._mailbox.empty():
-            _, reply = self._mailbox.get_nowait()
-            if not reply.done():
+            message, reply = self._mailbox.get_nowait()
+            if reply.done():
+                continue
+            if isinstance(message, StopAgent):  # the stop itself, whose reply nobody awaits
+                reply.set_result(None)
+            else:
                 reply.set_exception(
                     AgentStoppedError(f"agent {self.agent_id} stopped before handling this request")
                 )

@@ -5,14 +5,21 @@ then prefills one chunk of the waiting prompt. With a fixed chunk (512 tokens on
 running stream waits for the whole chunk between two of its tokens: ~2 s here, 30 times its
 decode step. So the chunk is sized every tick instead.
 
-A tick costs about D + n·p: one decode step D for the running batch and n prompt tokens at p each.
-With a stall ratio r, n = r·D/p holds a running stream's time between tokens near (1 + r)·D.
-D and p are measured as the engine runs (moving averages), so the budget follows the backend and
-the model: a GPU, whose prefill is cheap next to its decode step, gets big chunks; a CPU small
-ones. p is measured at the chunk size in use, per-chunk overheads included, so the estimate
-settles where a chunk really takes r·D: where decode and chunk share one forward pass
-(`mixed_step.py`) p is the tokens' marginal cost, and where they are two passes it includes the
-chunk's own read of the weights. With nothing decoding, a prompt prefills in full chunks.
+A tick costs about D + c + n·p: one decode step D for the running batch, and a chunk of n prompt
+tokens at p each on top of a fixed cost c (the chunk's own pass: launching its kernels, reading the
+weights again where decode and chunk are two passes; near 0 where they share one, `mixed_step.py`).
+With a stall ratio r the chunk may take r·D, so n = (r·D - c)/p holds a running stream's time
+between tokens near (1 + r)·D. Where c alone takes more than half of that (a GPU, whose chunk of
+any size costs about one launch-bound pass, ~ D), the chunk gets as long again as its fixed cost,
+n = c/p: a chunk of 16 tokens would pay c for almost nothing, and a 2K-token arrival would wait
+through a hundred such stalls (on an H200, sized as n = r·D/p with c in p: 1.3 s to its first
+token, against 0.3-0.5 s for `mlx_lm.server`; 0.15 s sized this way). D, c and p are measured as
+the engine runs: D as a moving average of ticks that only decode, c and p as a least-squares line
+through recent chunks' prefill times (weighted towards the newest), so the budget follows the
+backend and the model. Until two chunk sizes far enough apart have been seen, p is the last
+chunks' time per token with c taken as 0, and a chunk that already overruns, or one about the
+size of the last, is doubled to find the line. With nothing decoding, a prompt prefills in full
+chunks.
 
 A prompt whose uncached part fits one chunk goes in whole even while streams decode: a returning
 agent's turn (its new messages on top of a cached history) costs the running streams one longer
@@ -22,10 +29,45 @@ delay that agent's reply several-fold on the CPU. Only long prompts (cold histor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MIN_CHUNK_TOKENS = 16  # below this a chunk's fixed costs swamp its tokens
 SMOOTHING = 0.3  # weight of the newest observation in the moving averages
+MIN_SPREAD = 0.1  # chunk sizes' deviation, over their mean, below which no line is fitted
+
+
+@dataclass(slots=True)
+class _Line:
+    """A least-squares line s = c + p·n through (n, s) points, older points weighing less."""
+
+    weight: float = 0.0
+    sum_n: float = 0.0
+    sum_s: float = 0.0
+    sum_nn: float = 0.0
+    sum_ns: float = 0.0
+
+    def add(self, n: float, s: float) -> None:
+        keep = 1 - SMOOTHING
+        self.weight = keep * self.weight + 1
+        self.sum_n = keep * self.sum_n + n
+        self.sum_s = keep * self.sum_s + s
+        self.sum_nn = keep * self.sum_nn + n * n
+        self.sum_ns = keep * self.sum_ns + n * s
+
+    def means(self) -> tuple[float, float]:
+        return self.sum_n / self.weight, self.sum_s / self.weight
+
+    def fit(self) -> tuple[float, float] | None:
+        """(c, p), or None while the points' sizes are too close together to tell c from p."""
+        mean_n, mean_s = self.means()
+        variance = self.sum_nn / self.weight - mean_n * mean_n
+        if variance <= (MIN_SPREAD * mean_n) ** 2:
+            return None
+        slope = (self.sum_ns / self.weight - mean_n * mean_s) / variance
+        # Noise can tilt the line flat or backwards: a token never costs less than a twentieth of
+        # the mean, and c stays between 0 and the mean time.
+        token_s = max(slope, mean_s / mean_n / 20)
+        return min(max(mean_s - token_s * mean_n, 0.0), mean_s), token_s
 
 
 @dataclass(slots=True)
@@ -33,7 +75,10 @@ class PrefillBudget:
     max_tokens: int  # the chunk with nothing decoding (`prefill_step_size`)
     stall_ratio: float  # r above; 0 turns the budget off (always `max_tokens`)
     decode_step_s: float | None = None  # D: a tick with decoding and no prefill
-    token_s: float | None = None  # p: prefill time per prompt token, at the chunk size in use
+    fixed_s: float = 0.0  # c: a chunk's cost whatever its length (the last line fitted)
+    token_s: float | None = None  # p: prefill time per prompt token (0 fixed cost until a line is fitted)
+    _chunks: _Line = field(default_factory=_Line)
+    _fitted: bool = False
 
     def tokens_for_tick(self, num_decoding: int, num_prompt_tokens: int) -> int:
         """The chunk for the next tick, given how many sequences are decoding and the most uncached
@@ -45,8 +90,17 @@ class PrefillBudget:
             return self.max_tokens
         if self.decode_step_s is None or self.token_s is None:
             return MIN_CHUNK_TOKENS  # measure with a small chunk before risking a long stall
-        tokens = int(self.stall_ratio * self.decode_step_s / self.token_s)
-        return max(MIN_CHUNK_TOKENS, min(self.max_tokens, tokens))
+        allowed_s = self.stall_ratio * self.decode_step_s
+        if self._fitted:
+            tokens = _tokens_in(max(allowed_s - self.fixed_s, self.fixed_s), self.token_s)
+        else:
+            mean_n, mean_s = self._chunks.means()
+            tokens = _tokens_in(allowed_s, self.token_s)
+            # A chunk that overruns may be mostly fixed cost, and one near the sizes seen teaches
+            # nothing: double it, once, to find the line.
+            if mean_s > allowed_s or abs(tokens - mean_n) <= 2 * MIN_SPREAD * mean_n:
+                tokens = 2 * mean_n
+        return int(max(MIN_CHUNK_TOKENS, min(self.max_tokens, tokens)))
 
     def observe(self, elapsed_s: float, num_decoding: int, num_prompt_tokens: int) -> None:
         """Record one tick: its wall time, how many sequences decoded, how many prompt tokens it prefilled."""
@@ -59,7 +113,18 @@ class PrefillBudget:
         decode_s = (self.decode_step_s or 0.0) if num_decoding else 0.0
         # The decode share is an estimate; never let it leave less than a tenth of the tick to prefill.
         prefill_s = max(elapsed_s - decode_s, elapsed_s / 10)
-        self.token_s = _average(self.token_s, prefill_s / num_prompt_tokens)
+        self._chunks.add(num_prompt_tokens, prefill_s)
+        line = self._chunks.fit()
+        if line is not None:
+            self.fixed_s, self.token_s = line
+            self._fitted = True
+        elif not self._fitted:
+            mean_n, mean_s = self._chunks.means()
+            self.token_s = mean_s / mean_n
+
+
+def _tokens_in(seconds: float, token_s: float) -> float:
+    return seconds / token_s if token_s > 0 else float("inf")
 
 
 def _average(previous: float | None, value: float) -> float:

@@ -1,8 +1,9 @@
 """The engine thread of a lone process or of rank 0: it takes messages from its inbox and runs ticks.
 
-The thread blocks on its inbox while idle; while work is in flight it runs ticks of at least
-`tick_s`: take messages, admit what fits, step the batch once, post every request's new events
-with one `call_soon_threadsafe`. Tells (submit, cancel, shutdown) and asks arrive in one inbox.
+The thread blocks on its inbox while idle; while work is in flight it runs ticks back to back
+(each at least `tick_s` where that is set): take messages, admit what fits, step the batch once,
+post every request's new events with one `call_soon_threadsafe`. Tells (submit, cancel, shutdown)
+and asks arrive in one inbox.
 As rank 0 of a group it first shares each tick (`engine/lockstep.py`), and while idle it still
 shares an empty one every heartbeat; a lost rank fails every request and stops the thread.
 """

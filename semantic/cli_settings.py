@@ -30,7 +30,7 @@ MODEL_FLAGS = [
         "keep caches no sequence is decoding from quantized to 4 or 8 bits (more agents per GB)",
     ),
     ("--max-batch-size", "engine.max_batch_size", "sequences decoding together"),
-    ("--tick-ms", "engine.tick_ms", "shortest engine tick under load, in ms"),
+    ("--tick-ms", "engine.tick_ms", "shortest engine tick under load, in ms (0: back to back)"),
     (
         "--prefill-batch-size",
         "engine.prefill_batch_size",

@@ -61,7 +61,7 @@ class CacheSection(_Section):
 
 class EngineSection(_Section):
     max_batch_size: Annotated[int, Meta(ge=1, le=1024)] = 16
-    tick_ms: Annotated[float, Meta(ge=1, le=1000)] = 10.0
+    tick_ms: Annotated[float, Meta(ge=0, le=1000)] = 0.0  # 0: ticks back to back
     prefill_batch_size: Annotated[int, Meta(ge=0, le=256)] = 0  # 0: 1 on the CPU, 8 on a GPU
     prefill_step_size: Annotated[int, Meta(ge=0, le=65536)] = 0  # 0: 512 on the CPU, 2048 on a GPU
     prefill_stall_ratio: Annotated[float, Meta(ge=0, le=100)] = 1.0  # 0: whole chunks (off)

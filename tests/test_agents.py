@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -222,9 +223,19 @@ async def test_full_mailbox_is_refused_and_stop_fails_queued_asks(system: AgentS
     asks = [ask() for _ in range(actor.mailbox_size)]
     with pytest.raises(MailboxFullError, match=f"{actor.mailbox_size} requests queued"):
         ask()
-    actor.stop_nowait()
-    results = await asyncio.gather(*asks, return_exceptions=True)
+    # The stop's own reply has no reader: an exception on it would be logged as never retrieved.
+    unretrieved: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: unretrieved.append(context))
+    try:
+        actor.stop_nowait()
+        results = await asyncio.gather(*asks, return_exceptions=True)
+        gc.collect()
+    finally:
+        loop.set_exception_handler(previous)
     assert any(isinstance(r, AgentStoppedError) for r in results)
+    assert unretrieved == []
     for result in results:
         if isinstance(result, TurnStarted):
             async for _ in result.stream:

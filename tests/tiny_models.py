@@ -60,7 +60,12 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 
 def build_tiny_model(kind: str, dest: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     """Write an MLX model directory with random weights and the default model's tokenizer."""
-    config = dict(TINY_CONFIGS[kind])
+    return write_random_model(dict(TINY_CONFIGS[kind]), dest, tokenizer_dir, seed)
+
+
+def write_random_model(config: dict[str, Any], dest: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """Write an MLX model directory of `config`'s architecture with random weights and the tokenizer
+    from `tokenizer_dir`."""
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
