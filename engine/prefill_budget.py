@@ -14,12 +14,25 @@ any size costs about one launch-bound pass, ~ D), the chunk gets as long again a
 n = c/p: a chunk of 16 tokens would pay c for almost nothing, and a 2K-token arrival would wait
 through a hundred such stalls (on an H200, sized as n = r·D/p with c in p: 1.3 s to its first
 token, against 0.3-0.5 s for `mlx_lm.server`; 0.15 s sized this way). D, c and p are measured as
-the engine runs: D as a moving average of ticks that only decode, c and p as a least-squares line
-through recent chunks' prefill times (weighted towards the newest), so the budget follows the
-backend and the model. Until two chunk sizes far enough apart have been seen, p is the last
-chunks' time per token with c taken as 0, and a chunk that already overruns, or one about the
-size of the last, is doubled to find the line. With nothing decoding, a prompt prefills in full
-chunks.
+the engine runs: D as a moving average of ticks that only decode (one for each number of
+sequences decoding), c and p as a least-squares line through recent chunks' prefill times
+(weighted towards the newest), so the budget follows the backend and the model. Until two chunk
+sizes far enough apart have been seen, p is the last chunks' time per token with c taken as 0,
+and a chunk that already overruns, or one about the size of the last, is doubled to find the
+line. With nothing decoding, a prompt prefills in full chunks.
+
+The line is trusted only near the sizes it was fitted on, and it lags costs that drift (a prompt's
+later chunks attend over all it has prefilled, so its tokens get dearer as it goes):
+- a chunk is at most 1.5 times the largest of the last few, so a slope fitted on chunks of 16-40
+  tokens (short turns, noisy times) cannot send a 512-token chunk into a running stream's step
+  (measured: a 1.1 s stall, 18 decode steps);
+- c counts as at most D when sizing the chunk: a chunk's fixed cost is at most one more pass over
+  the weights, and a larger intercept is drift under the line, not a cost to amortise;
+- a chunk that took over 1.1 times its aim shrinks the next in proportion;
+- while chunks keep one size (no line can be fitted), p is refitted through their mean time with
+  c kept (measured before: a 66-token chunk kept while its ticks went from 210 to 310 ms).
+On a machine whose time per token doubles every 2K prompt tokens, the property test holds each
+chunk within 2.5x its aim (worst seen 2.1x; before, 6x).
 
 A prompt whose uncached part fits one chunk goes in whole even while streams decode: a returning
 agent's turn (its new messages on top of a cached history) costs the running streams one longer
@@ -29,11 +42,15 @@ delay that agent's reply several-fold on the CPU. Only long prompts (cold histor
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 MIN_CHUNK_TOKENS = 16  # below this a chunk's fixed costs swamp its tokens
 SMOOTHING = 0.3  # weight of the newest observation in the moving averages
 MIN_SPREAD = 0.1  # chunk sizes' deviation, over their mean, below which no line is fitted
+TRUSTED_GROWTH = 1.5  # a chunk is at most this many times the largest of the last few
+RECENT_CHUNKS = 8  # how many chunks "the last few" are
+OVERRUN = 1.1  # a chunk whose prefill took more than this times its aim overran it
 
 
 @dataclass(slots=True)
@@ -74,11 +91,15 @@ class _Line:
 class PrefillBudget:
     max_tokens: int  # the chunk with nothing decoding (`prefill_step_size`)
     stall_ratio: float  # r above; 0 turns the budget off (always `max_tokens`)
-    decode_step_s: float | None = None  # D: a tick with decoding and no prefill
+    # D: a tick with decoding and no prefill, for each number of sequences decoding (a prompt that
+    # joins the batch, or a stream that ends, must not leave the others' allowance stale)
+    decode_steps: dict[int, float] = field(default_factory=dict)
     fixed_s: float = 0.0  # c: a chunk's cost whatever its length (the last line fitted)
     token_s: float | None = None  # p: prefill time per prompt token (0 fixed cost until a line is fitted)
     _chunks: _Line = field(default_factory=_Line)
     _fitted: bool = False
+    _recent_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_CHUNKS))
+    _last_chunk: tuple[int, float] = (0, 0.0)  # the last chunk's tokens and prefill time
 
     def tokens_for_tick(self, num_decoding: int, num_prompt_tokens: int) -> int:
         """The chunk for the next tick, given how many sequences are decoding and the most uncached
@@ -88,11 +109,21 @@ class PrefillBudget:
             return self.max_tokens
         if 0 < num_prompt_tokens <= self.max_tokens:  # a short turn: whole, in one stall
             return self.max_tokens
-        if self.decode_step_s is None or self.token_s is None:
+        decode_s = self.decode_step_s(num_decoding)
+        if decode_s is None or self.token_s is None:
             return MIN_CHUNK_TOKENS  # measure with a small chunk before risking a long stall
-        allowed_s = self.stall_ratio * self.decode_step_s
+        allowed_s = self.stall_ratio * decode_s
         if self._fitted:
-            tokens = _tokens_in(max(allowed_s - self.fixed_s, self.fixed_s), self.token_s)
+            # A chunk's fixed cost is at most one more pass over the weights, about a decode step; a
+            # larger intercept is costs drifting up under the line (a prompt's later chunks attend
+            # over more), not a cost to amortise with a longer chunk.
+            fixed_s = min(self.fixed_s, decode_s)
+            tokens = _tokens_in(max(allowed_s - self.fixed_s, fixed_s), self.token_s)
+            # The line lags costs that drift; a chunk that overran its aim shrinks in proportion.
+            aim_s = max(allowed_s, self.fixed_s + fixed_s)
+            last_tokens, last_s = self._last_chunk
+            if last_s > OVERRUN * aim_s:
+                tokens = min(tokens, last_tokens * aim_s / last_s)
         else:
             mean_n, mean_s = self._chunks.means()
             tokens = _tokens_in(allowed_s, self.token_s)
@@ -100,6 +131,7 @@ class PrefillBudget:
             # nothing: double it, once, to find the line.
             if mean_s > allowed_s or abs(tokens - mean_n) <= 2 * MIN_SPREAD * mean_n:
                 tokens = 2 * mean_n
+        tokens = min(tokens, TRUSTED_GROWTH * max(self._recent_sizes))
         return int(max(MIN_CHUNK_TOKENS, min(self.max_tokens, tokens)))
 
     def observe(self, elapsed_s: float, num_decoding: int, num_prompt_tokens: int) -> None:
@@ -108,19 +140,32 @@ class PrefillBudget:
             return
         if num_prompt_tokens == 0:
             if num_decoding:
-                self.decode_step_s = _average(self.decode_step_s, elapsed_s)
+                self.decode_steps[num_decoding] = _average(self.decode_steps.get(num_decoding), elapsed_s)
             return
-        decode_s = (self.decode_step_s or 0.0) if num_decoding else 0.0
+        decode_s = (self.decode_step_s(num_decoding) or 0.0) if num_decoding else 0.0
         # The decode share is an estimate; never let it leave less than a tenth of the tick to prefill.
         prefill_s = max(elapsed_s - decode_s, elapsed_s / 10)
         self._chunks.add(num_prompt_tokens, prefill_s)
+        self._recent_sizes.append(num_prompt_tokens)
+        self._last_chunk = (num_prompt_tokens, prefill_s)
         line = self._chunks.fit()
+        mean_n, mean_s = self._chunks.means()
         if line is not None:
             self.fixed_s, self.token_s = line
             self._fitted = True
-        elif not self._fitted:
-            mean_n, mean_s = self._chunks.means()
+        elif self._fitted:  # one size lately: the line through their mean, c kept where it can be
+            if self.fixed_s >= mean_s:
+                self.fixed_s = mean_s / 2
+            self.token_s = max((mean_s - self.fixed_s) / mean_n, mean_s / mean_n / 20)
+        else:
             self.token_s = mean_s / mean_n
+
+    def decode_step_s(self, num_decoding: int) -> float | None:
+        """D for `num_decoding` sequences: as measured, else as measured for the nearest number."""
+        if not self.decode_steps:
+            return None
+        nearest = min(self.decode_steps, key=lambda n: (abs(n - num_decoding), n))
+        return self.decode_steps[nearest]
 
 
 def _tokens_in(seconds: float, token_s: float) -> float:

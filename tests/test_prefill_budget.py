@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from semantic.engine.commands import ReferenceGenerate
 from semantic.engine.engine import Engine, EngineConfig
 from semantic.engine.messages import Finished, GenerationRequest, PromptStarted, TokenDelta
-from semantic.engine.prefill_budget import MIN_CHUNK_TOKENS, PrefillBudget
+from semantic.engine.prefill_budget import MIN_CHUNK_TOKENS, RECENT_CHUNKS, TRUSTED_GROWTH, PrefillBudget
 from semantic.engine.sampling import SamplingParams
 
 MAX_CHUNK = 512
@@ -36,9 +36,15 @@ def test_a_tick_with_streams_decoding_prefills_between_the_floor_and_the_chunk(
     observed: list[tuple[float, int, int]], ratio: float, num_decoding: int
 ) -> None:
     budget = PrefillBudget(MAX_CHUNK, ratio)
+    chunks: list[int] = []
     for elapsed_s, decoding, prompt_tokens in observed:
         budget.observe(elapsed_s, decoding, prompt_tokens)
+        if elapsed_s > 0 and prompt_tokens:
+            chunks.append(prompt_tokens)
         assert MIN_CHUNK_TOKENS <= budget.tokens_for_tick(num_decoding, LONG_PROMPT) <= MAX_CHUNK
+        if chunks and ratio > 0:  # never far past the sizes the line was fitted on
+            trusted = max(MIN_CHUNK_TOKENS, TRUSTED_GROWTH * max(chunks[-RECENT_CHUNKS:]))
+            assert budget.tokens_for_tick(num_decoding, LONG_PROMPT) <= trusted
         assert budget.tokens_for_tick(0, LONG_PROMPT) == MAX_CHUNK  # nothing to stall: whole chunks
         assert budget.tokens_for_tick(num_decoding, MAX_CHUNK) == MAX_CHUNK  # a short turn: whole
         assert budget.tokens_for_tick(num_decoding, 0) == budget.tokens_for_tick(num_decoding, LONG_PROMPT)
@@ -64,13 +70,58 @@ def test_the_chunk_settles_where_prefill_takes_the_ratio_of_a_decode_step(
         budget.observe(decode_s + overhead_s + chunk * token_s, 4, chunk)
     chunk = budget.tokens_for_tick(4, LONG_PROMPT)
     prefill_s = overhead_s + chunk * token_s
-    target_s = max(ratio * decode_s, 2 * overhead_s)
+    target_s = max(ratio * decode_s, overhead_s + min(overhead_s, decode_s))
     if MIN_CHUNK_TOKENS < chunk < MAX_CHUNK:
         assert abs(prefill_s - target_s) <= 0.1 * target_s + token_s, (chunk, prefill_s, target_s)
     elif chunk == MIN_CHUNK_TOKENS:
         assert overhead_s + (MIN_CHUNK_TOKENS + 1) * token_s >= 0.9 * target_s  # even the floor costs more
     else:
         assert overhead_s + MAX_CHUNK * token_s <= 1.1 * target_s + token_s  # the whole chunk fits
+
+
+@given(
+    decode_s=st.floats(min_value=0.001, max_value=1.0),
+    overhead_s=st.floats(min_value=0.0, max_value=0.5),
+    token_s=st.floats(min_value=1e-6, max_value=0.05),
+    doubling=st.integers(min_value=2048, max_value=16384),
+    ratio=st.floats(min_value=0.25, max_value=4.0),
+)
+def test_the_chunk_shrinks_as_a_long_prompt_makes_its_tokens_dearer(
+    decode_s: float, overhead_s: float, token_s: float, doubling: int, ratio: float
+) -> None:
+    """A prompt's later chunks attend over more: on a machine whose time per prompt token doubles
+    every `doubling` tokens prefilled, no chunk past the first few takes much more than its aim
+    (the old budget: 6x, keeping a size whose ticks got dearer, or growing it past what it saw)."""
+    budget = PrefillBudget(MAX_CHUNK, ratio)
+    budget.observe(decode_s, 4, 0)
+    prefilled = 0
+    for tick in range(400):
+        chunk = budget.tokens_for_tick(4, 16 * LONG_PROMPT)
+        per_token_s = token_s * (1 + prefilled / doubling)
+        prefill_s = overhead_s + chunk * per_token_s
+        aim_s = max(
+            ratio * decode_s,
+            overhead_s + min(overhead_s, decode_s),
+            overhead_s + MIN_CHUNK_TOKENS * per_token_s,  # the floor's own cost
+        )
+        if tick >= 8 and chunk < MAX_CHUNK:
+            assert prefill_s <= 2.5 * aim_s, (tick, chunk, prefill_s, aim_s)
+        budget.observe(decode_s + prefill_s, 4, chunk)
+        prefilled += chunk
+
+
+def test_each_batch_size_keeps_its_own_decode_step() -> None:
+    """A slow step with more sequences decoding (an arrival joined) does not stretch the stall
+    allowed once they are fewer again: every tick then prefills, so D would never be re-measured."""
+    budget = PrefillBudget(MAX_CHUNK, 1.0)
+    budget.observe(0.05, 2, 0)
+    for chunk in (16, 32, 64, 48, 40):  # a line: no fixed cost, 1 ms a token
+        budget.observe(0.05 + chunk * 0.001, 2, chunk)
+    two = budget.tokens_for_tick(2, LONG_PROMPT)
+    budget.observe(0.2, 3, 0)
+    assert budget.tokens_for_tick(2, LONG_PROMPT) == two
+    assert budget.tokens_for_tick(3, LONG_PROMPT) > two
+    assert budget.tokens_for_tick(8, LONG_PROMPT) == budget.tokens_for_tick(3, LONG_PROMPT)  # the nearest
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
