@@ -94,6 +94,9 @@ class PrefillBudget:
     # D: a tick with decoding and no prefill, for each number of sequences decoding (a prompt that
     # joins the batch, or a stream that ends, must not leave the others' allowance stale)
     decode_steps: dict[int, float] = field(default_factory=dict)
+    # Until a tick decodes alone, D is bounded by a tick that decoded and prefilled the floor: with
+    # prompts queued behind a stream from the start (agents that arrive together), none might.
+    _decode_bound_s: float | None = None
     fixed_s: float = 0.0  # c: a chunk's cost whatever its length (the last line fitted)
     token_s: float | None = None  # p: prefill time per prompt token (0 fixed cost until a line is fitted)
     _chunks: _Line = field(default_factory=_Line)
@@ -142,6 +145,8 @@ class PrefillBudget:
             if num_decoding:
                 self.decode_steps[num_decoding] = _average(self.decode_steps.get(num_decoding), elapsed_s)
             return
+        if num_decoding and self._decode_bound_s is None:
+            self._decode_bound_s = elapsed_s
         decode_s = (self.decode_step_s(num_decoding) or 0.0) if num_decoding else 0.0
         # The decode share is an estimate; never let it leave less than a tenth of the tick to prefill.
         prefill_s = max(elapsed_s - decode_s, elapsed_s / 10)
@@ -161,9 +166,10 @@ class PrefillBudget:
             self.token_s = mean_s / mean_n
 
     def decode_step_s(self, num_decoding: int) -> float | None:
-        """D for `num_decoding` sequences: as measured, else as measured for the nearest number."""
+        """D for `num_decoding` sequences: as measured, else as measured for the nearest number, else
+        the bound from a tick that also prefilled."""
         if not self.decode_steps:
-            return None
+            return self._decode_bound_s
         nearest = min(self.decode_steps, key=lambda n: (abs(n - num_decoding), n))
         return self.decode_steps[nearest]
 

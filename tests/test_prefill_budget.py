@@ -110,6 +110,26 @@ def test_the_chunk_shrinks_as_a_long_prompt_makes_its_tokens_dearer(
         prefilled += chunk
 
 
+@pytest.mark.parametrize(
+    ("decode_s", "overhead_s", "token_s"),
+    [(0.005, 0.005, 4e-6), (0.06, 0.0, 0.0015)],  # launch-bound (an H200), compute-bound (2 CPU cores)
+)
+def test_the_chunk_grows_though_no_tick_ever_decodes_alone(
+    decode_s: float, overhead_s: float, token_s: float
+) -> None:
+    """Agents that arrive together: one prompt decodes while the rest prefill behind it, so no tick
+    decodes alone to measure D. The chunk must still leave the floor (on an H200, 16-token chunks
+    held 7 agents' first tokens back 5 s), and stay near a decode step's worth of prefill."""
+    budget = PrefillBudget(MAX_CHUNK, 1.0)
+    chunks = []
+    for _ in range(40):
+        chunk = budget.tokens_for_tick(1, LONG_PROMPT)
+        budget.observe(decode_s + overhead_s + chunk * token_s, 1, chunk)
+        chunks.append(chunk)
+    assert chunks[-1] > 2 * MIN_CHUNK_TOKENS
+    assert overhead_s + chunks[-1] * token_s <= 2 * (decode_s + overhead_s + MIN_CHUNK_TOKENS * token_s)
+
+
 def test_each_batch_size_keeps_its_own_decode_step() -> None:
     """A slow step with more sequences decoding (an arrival joined) does not stretch the stall
     allowed once they are fewer again: every tick then prefills, so D would never be re-measured."""
