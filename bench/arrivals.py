@@ -4,9 +4,9 @@ Two streams decode (each restarted as it ends, so two always run) while 0, 2 or 
 arrive, half a second apart, each with its own ~2,000-token prompt. Measured at the client: the
 time between two content chunks of a running stream (p50, p99, max) from the first arrival until
 every arrival has its first token (with no arrivals: a fixed window), and each arrival's time to
-first token. semantic runs with `--prefill-stall-ratio 1` (off by default). Both servers get
-the same prefill chunk with nothing decoding (512 tokens, our CPU
-default; mlx_lm.server's own default is 2,048). Writes bench/results/arrivals.json and
+first token. semantic runs with its default `--prefill-stall-ratio` (1) unless told otherwise. Both
+servers get the same prefill chunk with nothing decoding (512 tokens, our CPU default;
+mlx_lm.server's own default is 2,048). Writes bench/results/arrivals.json and
 arrivals_itl.png.
 
     python -m semantic.launch .venv/bin/python -m bench.arrivals [--arrivals 0 2 8]
