@@ -37,7 +37,7 @@ from semantic.engine.messages import (
 from semantic.engine.mixed_step import mixed_forward_for
 from semantic.engine.mixing_generator import MixingBatchGenerator
 from semantic.engine.outbox import Outbox
-from semantic.engine.prefill_budget import PrefillBudget
+from semantic.engine.prefill_budget import PrefillBudget, per_prompt_chunk
 from semantic.engine.sampling import make_sampler
 from semantic.engine.sequence import FinishedCache, Sequence, SetAside
 from semantic.engine.text_stream import TextStream
@@ -204,13 +204,15 @@ class Batch:
         self.running[uid] = sequence
 
     def next_chunk(self) -> int:
-        """The prompt tokens the next step may prefill (the budget's choice for what decodes now), for
-        the prompts it will prefill: the first inserted, as many as are prefilled together."""
-        prefilling = [s.num_uncached_tokens for s in self.running.values() if s.is_prefilling]
-        return self.prefill_budget.tokens_for_tick(
-            mlx_seams.num_generating(self._generator),
-            max(prefilling[: self._config.num_prefilled_together], default=0),
+        """The prompt tokens the next step may prefill for each prompt it prefills (mlx-lm's chunk is
+        per prompt): the budget's choice for what decodes now, for the prompts it will prefill (the
+        first inserted, as many as are prefilled together), shared among them."""
+        together = self._config.num_prefilled_together
+        prefilling = [s.num_uncached_tokens for s in self.running.values() if s.is_prefilling][:together]
+        tokens = self.prefill_budget.tokens_for_tick(
+            mlx_seams.num_generating(self._generator), max(prefilling, default=0)
         )
+        return per_prompt_chunk(tokens, len(prefilling), self.prefill_budget.max_tokens)
 
     def step(self, chunk: int | None = None) -> None:
         """One generator step: one token for each decoding sequence, a prefill chunk (`chunk`, or

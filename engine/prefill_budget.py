@@ -174,6 +174,15 @@ class PrefillBudget:
         return self.decode_steps[nearest]
 
 
+def per_prompt_chunk(tokens: int, num_prompts: int, max_tokens: int) -> int:
+    """A tick's prefill budget as mlx-lm's per-prompt chunk, for `num_prompts` prompts prefilled
+    together (on a GPU, up to 8): whole chunks stay whole; a budget held down for streams that
+    decode is shared, so that the tick prefills it once, not once for each prompt."""
+    if tokens >= max_tokens or num_prompts <= 1:
+        return tokens
+    return max(MIN_CHUNK_TOKENS, tokens // num_prompts)
+
+
 def _tokens_in(seconds: float, token_s: float) -> float:
     return seconds / token_s if token_s > 0 else float("inf")
 

@@ -16,7 +16,13 @@ from hypothesis import strategies as st
 from semantic.engine.commands import ReferenceGenerate
 from semantic.engine.engine import Engine, EngineConfig
 from semantic.engine.messages import Finished, GenerationRequest, PromptStarted, TokenDelta
-from semantic.engine.prefill_budget import MIN_CHUNK_TOKENS, RECENT_CHUNKS, TRUSTED_GROWTH, PrefillBudget
+from semantic.engine.prefill_budget import (
+    MIN_CHUNK_TOKENS,
+    RECENT_CHUNKS,
+    TRUSTED_GROWTH,
+    PrefillBudget,
+    per_prompt_chunk,
+)
 from semantic.engine.sampling import SamplingParams
 
 MAX_CHUNK = 512
@@ -128,6 +134,21 @@ def test_the_chunk_grows_though_no_tick_ever_decodes_alone(
         chunks.append(chunk)
     assert chunks[-1] > 2 * MIN_CHUNK_TOKENS
     assert overhead_s + chunks[-1] * token_s <= 2 * (decode_s + overhead_s + MIN_CHUNK_TOKENS * token_s)
+
+
+@given(
+    st.integers(min_value=MIN_CHUNK_TOKENS, max_value=MAX_CHUNK),
+    st.integers(min_value=0, max_value=8),
+)
+def test_prompts_prefilled_together_share_the_budget(tokens: int, num_prompts: int) -> None:
+    """mlx-lm's chunk is per prompt: prompts prefilled together (on a GPU, up to 8) must not take the
+    budget each, nor lose whole chunks when nothing holds them down."""
+    chunk = per_prompt_chunk(tokens, num_prompts, MAX_CHUNK)
+    assert MIN_CHUNK_TOKENS <= chunk <= tokens
+    if tokens == MAX_CHUNK or num_prompts <= 1:
+        assert chunk == tokens
+    elif tokens // num_prompts >= MIN_CHUNK_TOKENS:
+        assert chunk * num_prompts <= tokens  # the tick prefills the budget once, not once a prompt
 
 
 def test_each_batch_size_keeps_its_own_decode_step() -> None:
