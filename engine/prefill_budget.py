@@ -81,9 +81,8 @@ class _Line:
         if variance <= (MIN_SPREAD * mean_n) ** 2:
             return None
         slope = (self.sum_ns / self.weight - mean_n * mean_s) / variance
-        # Noise can tilt the line flat or backwards: a token never costs less than a twentieth of
-        # the mean, and c stays between 0 and the mean time.
-        token_s = max(slope, mean_s / mean_n / 20)
+        # c stays between 0 and the mean time; the slope has a floor (`_least_token_s`).
+        token_s = max(slope, _least_token_s(mean_n, mean_s))
         return min(max(mean_s - token_s * mean_n, 0.0), mean_s), token_s
 
 
@@ -101,8 +100,8 @@ class PrefillBudget:
     token_s: float | None = None  # p: prefill time per prompt token (0 fixed cost until a line is fitted)
     _chunks: _Line = field(default_factory=_Line)
     _fitted: bool = False
-    _recent_sizes: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_CHUNKS))
-    _last_chunk: tuple[int, float] = (0, 0.0)  # the last chunk's tokens and prefill time
+    # the last few chunks: their tokens and prefill times, newest last
+    _recent: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=RECENT_CHUNKS))
 
     def tokens_for_tick(self, num_decoding: int, num_prompt_tokens: int) -> int:
         """The chunk for the next tick, given how many sequences are decoding and the most uncached
@@ -124,7 +123,7 @@ class PrefillBudget:
             tokens = _tokens_in(max(allowed_s - self.fixed_s, fixed_s), self.token_s)
             # The line lags costs that drift; a chunk that overran its aim shrinks in proportion.
             aim_s = max(allowed_s, self.fixed_s + fixed_s)
-            last_tokens, last_s = self._last_chunk
+            last_tokens, last_s = self._recent[-1]
             if last_s > OVERRUN * aim_s:
                 tokens = min(tokens, last_tokens * aim_s / last_s)
         else:
@@ -134,7 +133,7 @@ class PrefillBudget:
             # nothing: double it, once, to find the line.
             if mean_s > allowed_s or abs(tokens - mean_n) <= 2 * MIN_SPREAD * mean_n:
                 tokens = 2 * mean_n
-        tokens = min(tokens, TRUSTED_GROWTH * max(self._recent_sizes))
+        tokens = min(tokens, TRUSTED_GROWTH * max(n for n, _ in self._recent))
         return int(max(MIN_CHUNK_TOKENS, min(self.max_tokens, tokens)))
 
     def observe(self, elapsed_s: float, num_decoding: int, num_prompt_tokens: int) -> None:
@@ -151,8 +150,7 @@ class PrefillBudget:
         # The decode share is an estimate; never let it leave less than a tenth of the tick to prefill.
         prefill_s = max(elapsed_s - decode_s, elapsed_s / 10)
         self._chunks.add(num_prompt_tokens, prefill_s)
-        self._recent_sizes.append(num_prompt_tokens)
-        self._last_chunk = (num_prompt_tokens, prefill_s)
+        self._recent.append((num_prompt_tokens, prefill_s))
         line = self._chunks.fit()
         mean_n, mean_s = self._chunks.means()
         if line is not None:
@@ -161,7 +159,7 @@ class PrefillBudget:
         elif self._fitted:  # one size lately: the line through their mean, c kept where it can be
             if self.fixed_s >= mean_s:
                 self.fixed_s = mean_s / 2
-            self.token_s = max((mean_s - self.fixed_s) / mean_n, mean_s / mean_n / 20)
+            self.token_s = max((mean_s - self.fixed_s) / mean_n, _least_token_s(mean_n, mean_s))
         else:
             self.token_s = mean_s / mean_n
 
@@ -181,6 +179,12 @@ def per_prompt_chunk(tokens: int, num_prompts: int, max_tokens: int) -> int:
     if tokens >= max_tokens or num_prompts <= 1:
         return tokens
     return max(MIN_CHUNK_TOKENS, tokens // num_prompts)
+
+
+def _least_token_s(mean_n: float, mean_s: float) -> float:
+    """Noise can tilt a fitted line flat or backwards: a token never costs less than a twentieth of
+    the mean time per token."""
+    return mean_s / mean_n / 20
 
 
 def _tokens_in(seconds: float, token_s: float) -> float:
