@@ -17,17 +17,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 from loguru import logger
 
-from semantic.engine.block_pool import BlockPool, hash_block_tokens, hash_prefix_blocks, salt_root
+from semantic.engine.block_filing import file_blocks, publish_blocks
+from semantic.engine.block_pool import BlockPool, hash_prefix_blocks
 from semantic.engine.cache_spec import ModelCacheSpec
 from semantic.engine.cache_tensors import CacheSnapshot, HostSnapshot
 from semantic.engine.layer_caches import (
     BlockCodec,
     HistoryKVCache,
-    block_payload,
     full_layers_of,
     kv_of,
     layer_caches,
@@ -213,28 +212,10 @@ class AgentCacheStore:
         encode: Callable[[Any], Any],
     ) -> list[int]:
         """The agent's cache as pool blocks (shared ones reused, the rest copied out by `encode`)."""
-        size = self.spec.block_size
         spare = list(reserved)
-        block_ids: list[int] = []
-        parent = salt_root(salt)
-        for start in range(0, len(token_ids), size):
-            tokens = token_ids[start : start + size]
-            if len(tokens) == size:
-                parent = hash_block_tokens(parent, tokens)
-                existing = self.pool.get_cached_block(parent, tokens)
-                if existing is not None:
-                    self.pool.touch([existing])
-                    block_ids.append(existing)
-                    continue
-            block_id = spare.pop() if spare else self._allocate_one()
-            payload = block_payload(full_kv, start, len(tokens), encode)
-            if len(tokens) == size:
-                assert parent is not None
-                self.pool.cache_full_block(block_id, parent, tokens, payload)
-            else:
-                self.pool.set_payload(block_id, payload)
-            block_ids.append(block_id)
-        mx.eval([self.pool.payload(b) for b in block_ids])
+        block_ids = file_blocks(
+            self.pool, self.spec.block_size, token_ids, full_kv, spare, salt, encode, self._allocate_one
+        )
         previous = self.agents.get(agent_id)
         num_running = previous.num_running if previous else 0
         self.agents[agent_id] = AgentCache(
@@ -252,23 +233,11 @@ class AgentCacheStore:
         Returns the blocks it filled; each keeps the reference it had in `spare` until freed."""
         if self.spec.has_sliding_layers:
             return []
-        size = self.spec.block_size
-        hashes = hash_prefix_blocks(token_ids, size, salt)
-        full_kv = [kv_of(layer_caches[layer], len(hashes) * size) for layer in self.spec.full_layer_ids]
-        published: list[int] = []
-        for start, block_hash in zip(range(0, len(hashes) * size, size), hashes, strict=True):
-            tokens = token_ids[start : start + size]
-            if self.pool.get_cached_block(block_hash, tokens) is not None:
-                continue
-            if not spare:
-                break
-            block_id = spare.pop()
-            self.pool.cache_full_block(
-                block_id, block_hash, tokens, block_payload(full_kv, start, size, self.codec.encode)
-            )
-            published.append(block_id)
-        mx.eval([self.pool.payload(b) for b in published])
-        return published
+        num_full = len(token_ids) // self.spec.block_size * self.spec.block_size
+        full_kv = [kv_of(layer_caches[layer], num_full) for layer in self.spec.full_layer_ids]
+        return publish_blocks(
+            self.pool, self.spec.block_size, token_ids[:num_full], full_kv, spare, salt, self.codec.encode
+        )
 
     def _allocate_one(self) -> int:
         if not self.pool.can_allocate(1):

@@ -2,9 +2,9 @@
 
 The batch ends every sequence itself: at a stop token, its token limit or a stop string, when
 cancelled, or failed with the rest of the batch. On a normal end its cache is kept in the agent
-cache store (`cache_keeper.py`); every end frees its reserved blocks and posts its last events.
-A prompt part-way through its prefill can be set aside with its cache and inserted again behind
-a shorter turn (the scheduler decides when).
+cache store (`cache_keeper.py`); every end frees its reserved blocks and posts its last events
+(`running.py`). A prompt part-way through its prefill can be set aside with its cache and
+inserted again behind a shorter turn (the scheduler decides when).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Any
 
 import mlx.core as mx
 from loguru import logger
-from mlx_lm.generate import BatchGenerator
 
 from semantic.engine import mlx_seams
 from semantic.engine.agent_cache import AgentCacheStore
@@ -23,23 +22,19 @@ from semantic.engine.cache_keeper import CacheKeeper
 from semantic.engine.commands import Submit
 from semantic.engine.config import EngineConfig, EngineStats
 from semantic.engine.errors import EngineError
-from semantic.engine.last_token_fold import fold_head, make_batch_generator
 from semantic.engine.loading import LoadedModel
 from semantic.engine.lockstep import next_digest
 from semantic.engine.messages import (
-    Finished,
     FinishReason,
     GenerationRequest,
-    PromptProgress,
     PromptStarted,
-    TokenDelta,
 )
-from semantic.engine.mixed_step import mixed_forward_for
-from semantic.engine.mixing_generator import MixingBatchGenerator
+from semantic.engine.mixing_generator import GeneratorFactory
 from semantic.engine.outbox import Outbox
 from semantic.engine.prefill_budget import PrefillBudget, per_prompt_chunk
+from semantic.engine.running import RunningSequences
 from semantic.engine.sampling import make_sampler
-from semantic.engine.sequence import FinishedCache, Sequence, SetAside
+from semantic.engine.sequence import Sequence, SetAside
 from semantic.engine.text_stream import TextStream
 
 
@@ -60,19 +55,26 @@ class Batch:
         self._config = config
         self._stats = stats
         self._outbox = outbox
-        self._stream = stream
-        with mx.stream(stream):  # a pipelined or sharded model is not folded: its ranks step in lockstep
-            self._fold_head = fold_head(loaded.model, foldable=loaded.layout is None)
-            self._mixed = mixed_forward_for(loaded.model, self._fold_head) if config.mixed_step else None
-        self._generator = self._new_generator()
+        # No stop tokens and (at insert) a token limit past the request's: the batch ends every
+        # sequence itself (`_end`), reading its cache as views rather than as the copy of the whole
+        # sequence that the generator makes of the sequences it ends.
+        self._generators = GeneratorFactory(
+            loaded.model,
+            stream,
+            foldable=loaded.layout is None,  # a pipelined or sharded model's ranks step in lockstep
+            mixed_step=config.mixed_step,
+            completion_batch_size=config.max_batch_size,
+            prefill_batch_size=config.num_prefilled_together,
+            prefill_step_size=config.num_tokens_per_prefill_step,
+        )
+        self._generator = self._generators()
         # mlx-lm returns a token one step after computing it, so its next step overlaps the caller's
         # work; MLX's CPU backend runs that step before the call returns, so there a first token
         # would wait a whole step for nothing: take it as soon as it exists.
         self._takes_first_tokens_early = stream.device == mx.cpu
         self._eos_token_ids = loaded.eos_token_ids
         self.prefill_budget = PrefillBudget(config.num_tokens_per_prefill_step, config.prefill_stall_ratio)
-        self.running: dict[int, Sequence] = {}
-        self._keeper = CacheKeeper(loaded.spec, store, pool)  # after the tick's events (`keep_caches`)
+        self.running = RunningSequences(CacheKeeper(loaded.spec, store, pool), outbox)
         self.token_digest = 0  # of every token generated, in order: ranks of a group compare it
 
     def __len__(self) -> int:
@@ -91,20 +93,6 @@ class Batch:
     @property
     def num_generating(self) -> int:
         return mlx_seams.num_generating(self._generator)
-
-    def _new_generator(self) -> BatchGenerator:
-        # No stop tokens and (at insert) a token limit past the request's: the batch ends every
-        # sequence itself (`_end`), reading its cache as views rather than as the copy of the whole
-        # sequence that the generator makes of the sequences it ends.
-        options: dict[str, Any] = {
-            "completion_batch_size": self._config.max_batch_size,
-            "prefill_batch_size": self._config.num_prefilled_together,
-            "prefill_step_size": self._config.num_tokens_per_prefill_step,
-            "stream": self._stream,
-        }
-        if self._mixed is not None and self._fold_head is not None:  # packing folds with the same head
-            return MixingBatchGenerator(self._loaded.model, mixed=self._mixed, **options)
-        return make_batch_generator(self._loaded.model, self._fold_head, **options)
 
     def close(self) -> None:
         self._generator.close()
@@ -129,7 +117,7 @@ class Batch:
         text = TextStream(
             self._loaded.tokenizer.detokenizer, request.sampling.stop, self._loaded.eos_token_ids
         )
-        self.running[uid] = Sequence(
+        sequence = Sequence(
             request,
             submit.events,
             agent_id,
@@ -140,6 +128,7 @@ class Batch:
             sampler=sampler,
             logits_processors=processors,
         )
+        self.running.add(uid, sequence)
         self._stats.num_prompt_tokens += len(request.prompt_tokens)
         self._stats.num_cached_tokens += prepared.num_cached_tokens
         self._outbox.post(
@@ -184,7 +173,7 @@ class Batch:
         if views is None:
             return None
         self._generator.remove([uid])
-        return SetAside(self.running.pop(uid), views)
+        return SetAside(self.running.take(uid), views)
 
     def resume(self, aside: SetAside) -> None:
         """Insert a set-aside prompt again, behind the prompts inserted since; it goes on from its cache."""
@@ -195,13 +184,11 @@ class Batch:
             uid = self._insert(sequence.request, num_in_cache, caches, sequence.sampler, processors)
         except Exception as error:
             logger.exception("could not resume request {}", sequence.request.request_id)
-            self._keeper.release(sequence)
-            failure = EngineError(f"resuming the prefill failed: {error}")
-            self._outbox.post_many(sequence.events, [*sequence.outbox, failure])
+            self.running.fail(sequence, EngineError(f"resuming the prefill failed: {error}"))
             return
         sequence.prefill_offset = num_in_cache - sequence.num_cached_tokens
         sequence.num_left_to_prefill = len(sequence.request.prompt_tokens) - num_in_cache
-        self.running[uid] = sequence
+        self.running.add(uid, sequence)
 
     def next_chunk(self) -> int:
         """The prompt tokens the next step may prefill for each prompt it prefills (mlx-lm's chunk is
@@ -229,8 +216,8 @@ class Batch:
             prompt_responses, generation_responses = generator.next()
         except Exception as error:
             logger.exception("batch step failed; failing {} requests", len(self.running))
-            self._generator = self._new_generator()
-            self._end_all(EngineError(f"generation failed: {error}"))
+            self._generator = self._generators()
+            self.running.fail_all(EngineError(f"generation failed: {error}"))
             return
         budget.observe(
             time.perf_counter() - started,
@@ -238,6 +225,21 @@ class Batch:
             mlx_seams.num_prompt_tokens_processed(generator) - prefilled_before,
         )
         self._stats.num_steps += 1
+        ended_prompts = self._read_prompt_progress(prompt_responses)
+        self.running.prompts_prefilled(ended_prompts)
+        ending = self._read_tokens(generation_responses)
+        if self._takes_first_tokens_early and ended_prompts:
+            for uid, token in mlx_seams.first_tokens(generator, ended_prompts).items():
+                running = self.running[uid]  # it cannot have ended since its prompt did, this step
+                running.early_token = token
+                self._take_token(running, token)
+                if (reason := running.end_reason(self._eos_token_ids)) is not None:
+                    ending[uid] = reason
+        if ending:
+            self._end(ending)
+
+    def _read_prompt_progress(self, prompt_responses: list[Any]) -> list[int]:
+        """Note each prefilling prompt's progress; returns the uids of those whose prompts ended."""
         ended_prompts = []
         for progress in prompt_responses:
             prefilling = self.running.get(progress.uid)
@@ -247,11 +249,11 @@ class Batch:
                 prefilling.is_prefilling = False
                 ended_prompts.append(progress.uid)
             else:
-                done, total = progress.progress
-                prefilling.num_left_to_prefill = total - done
-                offset = prefilling.prefill_offset
-                prefilling.outbox.append(PromptProgress(done + offset, total + offset))
-        self._keeper.prompts_prefilled(ended_prompts)
+                prefilling.prefilled(*progress.progress)
+        return ended_prompts
+
+    def _read_tokens(self, generation_responses: list[Any]) -> dict[int, FinishReason]:
+        """Take each decoding sequence's token; returns the sequences that end with it."""
         ending: dict[int, FinishReason] = {}
         for response in generation_responses:
             running = self.running.get(response.uid)
@@ -263,32 +265,17 @@ class Batch:
                 assert running.early_token == response.token, "an early first token changed: engine bug"
                 running.early_token = None
             if response.finish_reason is not None:  # the generator's own limit: not reached
-                self._finish(response.uid, FinishReason.LENGTH, (response.prompt_cache, response.all_tokens))
-            elif (reason := self._end_reason(running)) is not None:
+                self.running.finish(
+                    response.uid, FinishReason.LENGTH, (response.prompt_cache, response.all_tokens)
+                )
+            elif (reason := running.end_reason(self._eos_token_ids)) is not None:
                 ending[response.uid] = reason
-        if self._takes_first_tokens_early and ended_prompts:
-            for uid, token in mlx_seams.first_tokens(generator, ended_prompts).items():
-                running = self.running[uid]  # it cannot have ended since its prompt did, this step
-                running.early_token = token
-                self._take_token(running, token)
-                if (reason := self._end_reason(running)) is not None:
-                    ending[uid] = reason
-        if ending:
-            self._end(ending)
+        return ending
 
     def _take_token(self, running: Sequence, token: int) -> None:
-        running.generated_token_ids.append(token)
+        running.take_token(token)
         self.token_digest = next_digest(self.token_digest, token)
         self._stats.num_generated_tokens += 1
-        running.outbox.append(TokenDelta([token], running.text.add_token(token)))
-
-    def _end_reason(self, running: Sequence) -> FinishReason | None:
-        """Why a sequence ends with the token it just took, if it does."""
-        if running.text.stop_hit is not None or running.generated_token_ids[-1] in self._eos_token_ids:
-            return FinishReason.STOP
-        if len(running.generated_token_ids) >= running.request.sampling.max_tokens:
-            return FinishReason.LENGTH
-        return None
 
     def _end(self, ending: dict[int, FinishReason]) -> None:
         """Take sequences out of the generator (at once: each removal gathers the rest of the
@@ -299,72 +286,37 @@ class Batch:
         for uid, reason in ending.items():
             caches = held[uid]
             if caches is None:
-                self._finish(uid, reason)
+                self.running.finish(uid, reason)
                 continue
             layer_caches, num_tokens = caches
             running = self.running[uid]
             # The cache holds every token fed to the model so far: the last one taken may not be yet.
             tokens = [*running.request.prompt_tokens, *running.generated_token_ids][:num_tokens]
-            self._finish(uid, reason, (layer_caches, tokens))
+            self.running.finish(uid, reason, (layer_caches, tokens))
 
     def cancel(self, request_id: str) -> bool:
         for uid, running in self.running.items():
             if running.request.request_id == request_id:
                 self._generator.remove([uid])
-                self._finish(uid, FinishReason.CANCELLED)
+                self.running.finish(uid, FinishReason.CANCELLED)
                 return True
         return False
 
     def cancel_all(self) -> None:
-        for uid in list(self.running):
-            self._finish(uid, FinishReason.CANCELLED)
+        for uid in self.running.uids():
+            self.running.finish(uid, FinishReason.CANCELLED)
 
     def fail_all(self, error: BaseException) -> int:
         """End every running sequence with `error`; returns how many there were."""
         if self.running:
-            self._generator.remove(list(self.running))
-        return self._end_all(error)
-
-    def _end_all(self, error: BaseException) -> int:
-        num_failed = len(self.running)
-        for uid in list(self.running):
-            running = self.running.pop(uid)
-            self._keeper.release(running)
-            self._outbox.post_many(running.events, [*running.outbox, error])
-        return num_failed
+            self._generator.remove(self.running.uids())
+        return self.running.fail_all(error)
 
     def flush(self) -> None:
         """Post every sequence's events of this tick."""
-        for running in self.running.values():
-            if running.outbox:
-                self._outbox.post_many(running.events, running.outbox)
-                running.outbox = []
+        self.running.flush()
 
     def keep_caches(self) -> None:
         """Share the blocks of prompts prefilled this tick and keep the caches of sequences that
         ended; the engine calls it once the tick's events are posted."""
-        self._keeper.keep(self._generator, self.running)
-
-    def _finish(self, uid: int, reason: FinishReason, cache: tuple[Any, Any] | None = None) -> None:
-        """End a sequence the generator no longer holds and post its last events; its cache (layer
-        caches, tokens), if given, is kept by `keep_caches` before its blocks are released."""
-        running = self.running.pop(uid)
-        tail = running.text.finish() if reason is not FinishReason.CANCELLED else ""
-        if tail:
-            running.outbox.append(TokenDelta([], tail))
-        if cache is not None and cache[0] is not None:
-            self._keeper.ended(FinishedCache(running, cache[0], list(cache[1])))
-        else:
-            self._keeper.release(running)
-        running.outbox.append(
-            Finished(
-                reason,
-                running.text.stop_hit,
-                len(running.request.prompt_tokens),
-                running.num_cached_tokens,
-                len(running.generated_token_ids),
-                running.generated_token_ids,
-            )
-        )
-        self._outbox.post_many(running.events, running.outbox)
-        running.outbox = []
+        self.running.keep_caches(self._generator)

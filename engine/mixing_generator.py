@@ -15,10 +15,36 @@ import time
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import PromptProcessingBatch
+from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 
-from semantic.engine.last_token_fold import FoldingBatchGenerator, GivenLogits
-from semantic.engine.mixed_step import MixedForward
+from semantic.engine.last_token_fold import (
+    FoldingBatchGenerator,
+    GivenLogits,
+    LastPositionHead,
+    fold_head,
+    make_batch_generator,
+)
+from semantic.engine.mixed_step import MixedForward, mixed_forward_for
+
+
+class GeneratorFactory:
+    """Makes a model's batch generators (a new one after a failed step): mixing where the model
+    packs, else folding where its head splits, else mlx-lm's own. The head and the packed pass are
+    set up once, on the engine's stream."""
+
+    def __init__(
+        self, model: Any, stream: mx.Stream, *, foldable: bool, mixed_step: bool, **options: Any
+    ) -> None:
+        self._model = model
+        self._options = {**options, "stream": stream}
+        with mx.stream(stream):
+            self.head: LastPositionHead | None = fold_head(model, foldable)
+            self.mixed: MixedForward | None = mixed_forward_for(model, self.head) if mixed_step else None
+
+    def __call__(self) -> BatchGenerator:
+        if self.mixed is not None and self.head is not None:  # packing folds with the same head
+            return MixingBatchGenerator(self._model, mixed=self.mixed, **self._options)
+        return make_batch_generator(self._model, self.head, **self._options)
 
 
 class MixingBatchGenerator(FoldingBatchGenerator):

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from semantic.engine.messages import Event, EventChannel, GenerationRequest
+from semantic.engine.messages import (
+    Event,
+    EventChannel,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    PromptProgress,
+    TokenDelta,
+)
 from semantic.engine.text_stream import TextStream
 
 
@@ -31,6 +40,39 @@ class Sequence:
     @property
     def num_uncached_tokens(self) -> int:
         return len(self.request.prompt_tokens) - self.num_cached_tokens
+
+    def prefilled(self, done: int, total: int) -> None:
+        """The generator's progress report on this prompt (`done` of `total` since it was inserted)."""
+        self.num_left_to_prefill = total - done
+        self.outbox.append(PromptProgress(done + self.prefill_offset, total + self.prefill_offset))
+
+    def take_token(self, token: int) -> None:
+        self.generated_token_ids.append(token)
+        self.outbox.append(TokenDelta([token], self.text.add_token(token)))
+
+    def end_reason(self, eos_token_ids: Collection[int]) -> FinishReason | None:
+        """Why the sequence ends with the token it just took, if it does."""
+        if self.text.stop_hit is not None or self.generated_token_ids[-1] in eos_token_ids:
+            return FinishReason.STOP
+        if len(self.generated_token_ids) >= self.request.sampling.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, reason: FinishReason) -> None:
+        """Queue its last events: the text held back for stop strings (unless cancelled), then the end."""
+        tail = self.text.finish() if reason is not FinishReason.CANCELLED else ""
+        if tail:
+            self.outbox.append(TokenDelta([], tail))
+        self.outbox.append(
+            Finished(
+                reason,
+                self.text.stop_hit,
+                len(self.request.prompt_tokens),
+                self.num_cached_tokens,
+                len(self.generated_token_ids),
+                self.generated_token_ids,
+            )
+        )
 
 
 @dataclass(slots=True)

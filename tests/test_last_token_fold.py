@@ -36,15 +36,15 @@ pytestmark = pytest.mark.skipif(
 def generator_kind(runtime: Runtime, request: pytest.FixtureRequest) -> Iterator[str]:
     """The batch with a folding generator, or with mlx-lm's own; the folding one is put back after."""
     batch = runtime.batch
-    head = batch._fold_head
+    head = batch._generators.head
     assert head is not None  # SmolLM2 is `model.model` then the tied embedding
     if request.param != "folded":
-        batch._fold_head = None
-        batch._generator = batch._new_generator()
+        batch._generators.head = None
+        batch._generator = batch._generators()
     assert isinstance(batch._generator, FoldingBatchGenerator) == (request.param == "folded")
     yield request.param
-    batch._fold_head = head
-    batch._generator = batch._new_generator()
+    batch._generators.head = head
+    batch._generator = batch._generators()
 
 
 def first_token_step(per_step: list[list[Event]]) -> int:

@@ -39,15 +39,15 @@ pytestmark = pytest.mark.skipif(
 def passes(runtime: Runtime, request: pytest.FixtureRequest) -> Iterator[str]:
     """The batch with the mixing generator, or with the folding one alone; put back after."""
     batch = runtime.batch
-    mixed = batch._mixed
+    mixed = batch._generators.mixed
     assert mixed is not None  # SmolLM2 packs
     if request.param == "two passes":
-        batch._mixed = None
-        batch._generator = batch._new_generator()
+        batch._generators.mixed = None
+        batch._generator = batch._generators()
     assert isinstance(batch._generator, MixingBatchGenerator) == (request.param == "one pass")
     yield request.param
-    batch._mixed = mixed
-    batch._generator = batch._new_generator()
+    batch._generators.mixed = mixed
+    batch._generator = batch._generators()
 
 
 def test_a_prompt_prefilled_beside_a_decoding_stream_gives_mlx_lm_s_tokens(

@@ -1,0 +1,80 @@
+"""A sequence's keys and values cut into pool blocks.
+
+Full blocks are filed under their chained hashes (rooted in the cache salt): a block the pool
+already holds with the same hash and tokens is reused, not copied, so a returning agent's turn
+copies its new blocks only; the last, partial block is private. The copies are made by an `encode`
+(`BlockCodec.encode` from the batch's MLX arrays, `encode_host` from a cache file's) and evaluated
+before the blocks are returned, so that none keeps the arrays it was cut from alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from semantic.engine.block_pool import BlockPool, hash_block_tokens, hash_prefix_blocks, salt_root
+from semantic.engine.layer_caches import block_payload
+
+
+def file_blocks(
+    pool: BlockPool,
+    block_size: int,
+    token_ids: list[int],
+    full_kv: list[tuple[Any, Any]],
+    spare: list[int],
+    salt: str | None,
+    encode: Callable[[Any], Any],
+    allocate: Callable[[], int],
+) -> list[int]:
+    """The blocks holding `token_ids` (each full-attention layer's keys and values in `full_kv`):
+    shared full blocks reused and touched, the rest filled in blocks popped from `spare`, then
+    from `allocate`."""
+    block_ids: list[int] = []
+    parent = salt_root(salt)
+    for start in range(0, len(token_ids), block_size):
+        tokens = token_ids[start : start + block_size]
+        if len(tokens) == block_size:
+            parent = hash_block_tokens(parent, tokens)
+            existing = pool.get_cached_block(parent, tokens)
+            if existing is not None:
+                pool.touch([existing])
+                block_ids.append(existing)
+                continue
+        block_id = spare.pop() if spare else allocate()
+        payload = block_payload(full_kv, start, len(tokens), encode)
+        if len(tokens) == block_size:
+            assert parent is not None
+            pool.cache_full_block(block_id, parent, tokens, payload)
+        else:
+            pool.set_payload(block_id, payload)
+        block_ids.append(block_id)
+    mx.eval([pool.payload(b) for b in block_ids])
+    return block_ids
+
+
+def publish_blocks(
+    pool: BlockPool,
+    block_size: int,
+    token_ids: list[int],
+    full_kv: list[tuple[Any, Any]],
+    spare: list[int],
+    salt: str | None,
+    encode: Callable[[Any], Any],
+) -> list[int]:
+    """File the full blocks of `token_ids` that the pool lacks, in blocks popped from `spare` (as
+    many as it has); returns the blocks it filled."""
+    hashes = hash_prefix_blocks(token_ids, block_size, salt)
+    published: list[int] = []
+    for start, block_hash in zip(range(0, len(hashes) * block_size, block_size), hashes, strict=True):
+        tokens = token_ids[start : start + block_size]
+        if pool.get_cached_block(block_hash, tokens) is not None:
+            continue
+        if not spare:
+            break
+        block_id = spare.pop()
+        pool.cache_full_block(block_id, block_hash, tokens, block_payload(full_kv, start, block_size, encode))
+        published.append(block_id)
+    mx.eval([pool.payload(b) for b in published])
+    return published
