@@ -14,7 +14,6 @@ import contextlib
 import gc
 import queue
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -25,7 +24,6 @@ from semantic.engine.cache_tensors import SerializedCache, to_tensors
 from semantic.engine.commands import (
     DropCache,
     EngineAsk,
-    Envelope,
     InspectPool,
     ListCaches,
     LoadModel,
@@ -38,6 +36,7 @@ from semantic.engine.commands import (
     UnloadModel,
 )
 from semantic.engine.config import EngineConfig, EngineStats
+from semantic.engine.drains import Drains
 from semantic.engine.errors import EngineError
 from semantic.engine.loading import LoadedModel
 from semantic.engine.lockstep import Lockstep
@@ -48,14 +47,6 @@ from semantic.engine.scheduler import Scheduler
 
 LOAD_TIMEOUT_S = 1800.0  # in a group, a tick that loads a model: the slowest rank reads its weights
 MEMORY_REPORT_S = 2.0  # in a group, how often the ranks report their memory to each other
-
-
-@dataclass(slots=True)
-class PendingDrain:
-    deadline: float
-    reason: str
-    envelope: Envelope
-    num_failed: int = 0
 
 
 class EngineCore:
@@ -79,7 +70,7 @@ class EngineCore:
         self._scheduler = Scheduler()
         self._runtime: Runtime | None = None
         self._stream: mx.Stream | None = None
-        self._drains: list[PendingDrain] = []
+        self._drains = Drains()
         self._next_memory_report = 0.0
 
     def _load(self, source: str, name: str | None) -> LoadedModel:
@@ -133,9 +124,7 @@ class EngineCore:
     def _run_tick(self, now: float, chunk: int, fail_reason: str | None) -> None:
         """What every rank does once the tick's messages are applied: admit, step, post."""
         if fail_reason is not None:
-            num_failed = self._fail_everything(EngineError(fail_reason))
-            for drain in self._drains:
-                drain.num_failed += num_failed
+            self._drains.count_failed(self._fail_everything(EngineError(fail_reason)))
         runtime = self._runtime
         if runtime is not None:
             self._scheduler.admit(runtime, self.config, self._outbox, now)
@@ -250,21 +239,10 @@ class EngineCore:
         num_running = self._runtime.batch.fail_all(error) if self._runtime is not None else 0
         return len(waiting) + num_running
 
-    def _expired_drain(self, now: float) -> str | None:
-        """Why this tick fails what runs and waits: a drain whose timeout passed (None: none did)."""
-        for drain in self._drains:
-            if self._is_busy and now >= drain.deadline:
-                return f"cancelled: {drain.reason}, and the drain timeout passed"
-        return None
-
     def _check_drains(self) -> None:
-        if not self._drains:
-            return
-        if not self._is_busy:
-            drains, self._drains = self._drains, []
+        if self._drains and not self._is_busy:
             self._flush()  # every request's last events reach the loop before the drains' replies
-            for drain in drains:
-                drain.envelope.answer(drain.num_failed)
+            self._drains.answer_all()
 
     def _close(self) -> None:
         error = EngineError("the engine stopped before this request ran")
@@ -273,8 +251,7 @@ class EngineCore:
         if self._runtime is not None:
             self._runtime.batch.cancel_all()
         self._flush()
-        for drain in self._drains:
-            drain.envelope.fail(EngineError("the engine stopped during the drain"))
+        self._drains.fail_all(EngineError("the engine stopped during the drain"))
         if self._runtime is not None:
             self._runtime.batch.close()
         # mlx-lm evaluates the next step asynchronously; let the engine's stream finish

@@ -32,7 +32,7 @@ from semantic.engine.commands import (
     resolve,
 )
 from semantic.engine.config import EngineConfig, EngineStats
-from semantic.engine.core import EngineCore, PendingDrain
+from semantic.engine.core import EngineCore
 from semantic.engine.distributed import GroupLostError
 from semantic.engine.errors import EngineError
 from semantic.engine.lockstep import Leader, Lockstep, clock_now
@@ -91,7 +91,7 @@ class ServingCore(EngineCore):
             self._pending = []
             now = clock_now()
             chunk, digest = self._next_chunk(), self._token_digest()
-            fail_reason = self._expired_drain(now)
+            fail_reason = self._drains.expired_reason(now, self._is_busy)
             loads = any(isinstance(m, Envelope) and isinstance(m.command, LoadModel) for m in messages)
             with self._tick_allowance(loads):
                 try:
@@ -125,9 +125,7 @@ class ServingCore(EngineCore):
                 case Envelope():
                     message.fail(lost)
         self._outbox.flush()
-        for drain in self._drains:
-            drain.envelope.answer(drain.num_failed)
-        self._drains = []
+        self._drains.answer_all()
         if self._on_group_lost is not None:
             self._loop.call_soon_threadsafe(self._on_group_lost, error)
 
@@ -153,7 +151,7 @@ class ServingCore(EngineCore):
                 case Shutdown():
                     stopping = True
                 case Envelope(command=Drain(timeout_s=timeout_s, reason=reason)):
-                    self._drains.append(PendingDrain(time.monotonic() + timeout_s, reason, message))
+                    self._drains.add(message, timeout_s, reason)
                 case Envelope(command=command):
                     try:
                         message.answer(self._answer(command))
