@@ -72,7 +72,6 @@ class Batch:
         # work; MLX's CPU backend runs that step before the call returns, so there a first token
         # would wait a whole step for nothing: take it as soon as it exists.
         self._takes_first_tokens_early = stream.device == mx.cpu
-        self._eos_token_ids = loaded.eos_token_ids
         self.prefill_budget = PrefillBudget(config.num_tokens_per_prefill_step, config.prefill_stall_ratio)
         self.running = RunningSequences(CacheKeeper(loaded.spec, store, pool), outbox)
         self.token_digest = 0  # of every token generated, in order: ranks of a group compare it
@@ -233,7 +232,7 @@ class Batch:
                 running = self.running[uid]  # it cannot have ended since its prompt did, this step
                 running.early_token = token
                 self._take_token(running, token)
-                if (reason := running.end_reason(self._eos_token_ids)) is not None:
+                if (reason := running.end_reason()) is not None:
                     ending[uid] = reason
         if ending:
             self._end(ending)
@@ -268,7 +267,7 @@ class Batch:
                 self.running.finish(
                     response.uid, FinishReason.LENGTH, (response.prompt_cache, response.all_tokens)
                 )
-            elif (reason := running.end_reason(self._eos_token_ids)) is not None:
+            elif (reason := running.end_reason()) is not None:
                 ending[response.uid] = reason
         return ending
 

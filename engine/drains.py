@@ -29,8 +29,10 @@ class Drains:
 
     def expired_reason(self, now: float, busy: bool) -> str | None:
         """Why this tick fails what runs and waits: a drain whose timeout passed (None: none did)."""
+        if not busy:
+            return None
         for drain in self._pending:
-            if busy and now >= drain.deadline:
+            if now >= drain.deadline:
                 return f"cancelled: {drain.reason}, and the drain timeout passed"
         return None
 

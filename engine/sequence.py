@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +49,9 @@ class Sequence:
         self.generated_token_ids.append(token)
         self.outbox.append(TokenDelta([token], self.text.add_token(token)))
 
-    def end_reason(self, eos_token_ids: Collection[int]) -> FinishReason | None:
+    def end_reason(self) -> FinishReason | None:
         """Why the sequence ends with the token it just took, if it does."""
-        if self.text.stop_hit is not None or self.generated_token_ids[-1] in eos_token_ids:
+        if self.text.stop_hit is not None or self.text.is_end_token(self.generated_token_ids[-1]):
             return FinishReason.STOP
         if len(self.generated_token_ids) >= self.request.sampling.max_tokens:
             return FinishReason.LENGTH

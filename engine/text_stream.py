@@ -16,11 +16,14 @@ class TextStream:
 
     def add_token(self, token: int) -> str:
         """Feed one generated token; return the text that is now safe to show."""
-        if self.stop_hit is not None or token in self._eos_token_ids:
+        if self.stop_hit is not None or self.is_end_token(token):
             return ""
         self._detokenizer.add_token(token)
         self._pending += self._detokenizer.last_segment
         return self._release()
+
+    def is_end_token(self, token: int) -> bool:
+        return token in self._eos_token_ids
 
     def finish(self) -> str:
         """Flush what is left once generation ends."""

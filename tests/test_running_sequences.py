@@ -88,7 +88,7 @@ def test_every_sequence_ends_once_with_its_tokens_and_frees_its_blocks(
             elif operation == "token":
                 sequence.take_token(token)
                 taken[uid].append(token)
-                if (reason := sequence.end_reason({EOS})) is not None:
+                if (reason := sequence.end_reason()) is not None:
                     running.finish(uid, reason)
             elif operation == "finish":
                 running.finish(uid, FinishReason.STOP)
