@@ -36,6 +36,7 @@ from semantic.engine.running import RunningSequences
 from semantic.engine.sampling import make_sampler
 from semantic.engine.sequence import Sequence, SetAside
 from semantic.engine.text_stream import TextStream
+from semantic.engine.token_logprobs import TokenTexts, token_logprob
 
 
 class Batch:
@@ -74,6 +75,7 @@ class Batch:
         self._takes_first_tokens_early = stream.device == mx.cpu
         self.prefill_budget = PrefillBudget(config.num_tokens_per_prefill_step, config.prefill_stall_ratio)
         self.running = RunningSequences(CacheKeeper(loaded.spec, store, pool), outbox)
+        self._texts = TokenTexts(loaded.tokenizer)  # for requests that ask for log-probabilities
         self.token_digest = 0  # of every token generated, in order: ranks of a group compare it
 
     def __len__(self) -> int:
@@ -228,10 +230,10 @@ class Batch:
         self.running.prompts_prefilled(ended_prompts)
         ending = self._read_tokens(generation_responses)
         if self._takes_first_tokens_early and ended_prompts:
-            for uid, token in mlx_seams.first_tokens(generator, ended_prompts).items():
+            for uid, (token, logprobs) in mlx_seams.first_tokens(generator, ended_prompts).items():
                 running = self.running[uid]  # it cannot have ended since its prompt did, this step
                 running.early_token = token
-                self._take_token(running, token)
+                self._take_token(running, token, logprobs)
                 if (reason := running.end_reason()) is not None:
                     ending[uid] = reason
         if ending:
@@ -259,7 +261,7 @@ class Batch:
             if running is None:
                 continue
             if running.early_token is None:
-                self._take_token(running, response.token)
+                self._take_token(running, response.token, response.logprobs)
             else:
                 assert running.early_token == response.token, "an early first token changed: engine bug"
                 running.early_token = None
@@ -271,8 +273,9 @@ class Batch:
                 ending[response.uid] = reason
         return ending
 
-    def _take_token(self, running: Sequence, token: int) -> None:
-        running.take_token(token)
+    def _take_token(self, running: Sequence, token: int, logprobs: mx.array) -> None:
+        top = running.request.sampling.top_logprobs
+        running.take_token(token, None if top is None else token_logprob(logprobs, token, top, self._texts))
         self.token_digest = next_digest(self.token_digest, token)
         self._stats.num_generated_tokens += 1
 

@@ -8,6 +8,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from semantic.engine.sampling import SamplingParams
+from semantic.engine.token_logprobs import TokenLogprob
 
 if TYPE_CHECKING:
     from semantic.engine.grammar import GrammarMatcher
@@ -54,6 +55,7 @@ class PromptProgress:
 class TokenDelta:
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # its tokens', where the request asks
 
 
 @dataclass(slots=True)

@@ -98,15 +98,16 @@ def num_prompt_tokens_processed(generator: BatchGenerator) -> int:
     return int(generator._counters.prompt_tokens)
 
 
-def first_tokens(generator: BatchGenerator, uids: list[int]) -> dict[int, int]:
-    """The first tokens of sequences whose prompts ended in the last `next()`: computed by then (the
-    step queued for them has run), returned by the generator only with the following step."""
+def first_tokens(generator: BatchGenerator, uids: list[int]) -> dict[int, tuple[int, mx.array]]:
+    """The first tokens (and the log-probabilities they were drawn from) of sequences whose prompts
+    ended in the last `next()`: computed by then (the step queued for them has run), returned by the
+    generator only with the following step."""
     batch = generator._generation_batch
     positions = {uid: index for index, uid in enumerate(batch.uids) if uid in uids}
     if not positions or batch._next_tokens is None:
         return {}
     tokens = batch._next_tokens.tolist()
-    return {uid: int(tokens[index]) for uid, index in positions.items()}
+    return {uid: (int(tokens[index]), batch._next_logprobs[index]) for uid, index in positions.items()}
 
 
 def cache_views(generator: BatchGenerator, uid: int) -> list[KVCache] | None:
@@ -184,8 +185,9 @@ def check_generator(generator: Any) -> None:
         lambda: "self.prefill_step_size" in inspect.getsource(type(generator)._next),
     )
     _require(
-        "BatchGenerator's `_generation_batch` has `uids` and `_next_tokens` (first_tokens() reads them)",
-        lambda batch: isinstance(batch.uids, list) and hasattr(batch, "_next_tokens"),
+        "BatchGenerator's `_generation_batch` has `uids`, `_next_tokens` and `_next_logprobs` "
+        "(first_tokens() reads them)",
+        lambda batch: isinstance(batch.uids, list) and {"_next_tokens", "_next_logprobs"} <= set(vars(batch)),
         generator._generation_batch,
     )
     _require("BatchGenerator has `_find_uids` (cache_views() reads it)", hasattr, generator, "_find_uids")

@@ -11,6 +11,7 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p
 Sampler = Callable[[mx.array], mx.array]
 
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    top_logprobs: int | None = None  # None: no log-probabilities; else each token's and this many more
 
     def __post_init__(self) -> None:
         if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
@@ -44,6 +46,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be between 0 and 2**64 - 1, got {self.seed}")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs}"
+            )
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
             raise ValueError(
                 f"stop takes at most {MAX_STOP_STRINGS} non-empty strings, got {list(self.stop)}"

@@ -15,6 +15,7 @@ from semantic.engine.messages import (
     TokenDelta,
 )
 from semantic.engine.text_stream import TextStream
+from semantic.engine.token_logprobs import TokenLogprob
 
 
 @dataclass(slots=True)
@@ -45,9 +46,12 @@ class Sequence:
         self.num_left_to_prefill = total - done
         self.outbox.append(PromptProgress(done + self.prefill_offset, total + self.prefill_offset))
 
-    def take_token(self, token: int) -> None:
+    def take_token(self, token: int, logprob: TokenLogprob | None = None) -> None:
+        """Take the next token, with its log-probability where the request asks (an end token, which
+        is not part of the reply's text, comes without)."""
         self.generated_token_ids.append(token)
-        self.outbox.append(TokenDelta([token], self.text.add_token(token)))
+        shown = [logprob] if logprob is not None and not self.text.is_end_token(token) else []
+        self.outbox.append(TokenDelta([token], self.text.add_token(token), shown))
 
     def end_reason(self) -> FinishReason | None:
         """Why the sequence ends with the token it just took, if it does."""

@@ -9,98 +9,51 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.engine.messages import Finished, FinishReason, PromptStarted
+from semantic.engine.token_logprobs import TokenLogprob
 from semantic.protocols.common import SYSTEM_KEY, SseWriter
 from semantic.protocols.errors import ApiError, OpenAIError, OpenAIErrorDetail
 from semantic.protocols.openai_wire import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    Delta,
     FunctionCall,
+    FunctionDelta,
+    PromptTokensDetails,
     ToolCall,
+    ToolCallDelta,
+    Usage,
     decode_request,
     output_schema,
     to_chat_messages,
     tool_choice,
+    top_logprobs,
+    wire_logprobs,
 )
-from semantic.protocols.pipeline import CollectedReply, TurnEvent, TurnReply, answer_turn, sampling_params
+from semantic.protocols.pipeline import (
+    CollectedReply,
+    Logprobs,
+    TurnEvent,
+    TurnReply,
+    answer_turn,
+    sampling_params,
+)
 from semantic.protocols.reasoning import ThinkingPart
 from semantic.protocols.tenancy import request_agent_id, scoped_cache_salt
 from semantic.protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallStart
 
 _FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
 PING_FRAME = b": ping\n\n"
-
-
-class PromptTokensDetails(msgspec.Struct):
-    cached_tokens: int
-
-
-class Usage(msgspec.Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class AssistantMessage(msgspec.Struct, omit_defaults=True):
-    role: Literal["assistant"]
-    content: str | None
-    tool_calls: list[ToolCall] | None = None
-    reasoning_content: str | None = None  # a reasoning model's <think> block, as DeepSeek and vLLM send it
-
-
-class Choice(msgspec.Struct):
-    index: int
-    message: AssistantMessage
-    finish_reason: str | None
-
-
-class ChatCompletion(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage
-    object: Literal["chat.completion"] = "chat.completion"
-
-
-class FunctionDelta(msgspec.Struct, omit_defaults=True):
-    name: str | None = None
-    arguments: str = ""
-
-
-class ToolCallDelta(msgspec.Struct, omit_defaults=True):
-    index: int
-    function: FunctionDelta
-    id: str | None = None
-    type: str | None = None
-
-
-class Delta(msgspec.Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-class ChunkChoice(msgspec.Struct):
-    index: int
-    delta: Delta
-    finish_reason: str | None
-
-
-class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
-    id: str
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
 
 
 def to_turn(request: web.Request, body: ChatCompletionRequest) -> TurnRequest:
@@ -124,6 +77,7 @@ def to_turn(request: web.Request, body: ChatCompletionRequest) -> TurnRequest:
         seed=body.seed,
         max_tokens=max_tokens,
         stop=stop,
+        top_logprobs=top_logprobs(body),
     )
     return TurnRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -146,7 +100,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     def reply(started: TurnStarted, sse: SseWriter | None) -> TurnReply:
         if sse is None:
-            return CompletionReply(started, turn.request_id)
+            return CompletionReply(started, turn.request_id, body.logprobs)
         return CompletionStream(started, turn.request_id, sse, include_usage)
 
     return await answer_turn(request, turn, body.stream, reply, PING_FRAME)
@@ -172,15 +126,18 @@ def _call_id() -> str:
 class CompletionReply(CollectedReply):
     """A non-streaming reply: one chat.completion."""
 
-    def __init__(self, started: TurnStarted, completion_id: str) -> None:
+    def __init__(self, started: TurnStarted, completion_id: str, with_logprobs: bool) -> None:
         self.started = started
         self.completion_id = completion_id
         self.texts: list[str] = []
         self.thinking: list[str] = []
         self.calls: list[ToolCall] = []
+        self.logprobs: Logprobs | None = Logprobs([]) if with_logprobs else None
 
     async def event(self, event: TurnEvent) -> None:
         match event:
+            case Logprobs(tokens=tokens) if self.logprobs is not None:
+                self.logprobs.tokens.extend(tokens)
             case ThinkingPart(text=text):
                 self.thinking.append(text)
             case TextPart(text=text):
@@ -199,7 +156,8 @@ class CompletionReply(CollectedReply):
             calls or None,
             "".join(self.thinking) or None,
         )
-        choice = Choice(0, message, _finish_reason(finished, bool(calls)))
+        logprobs = None if self.logprobs is None else wire_logprobs(self.logprobs.tokens)
+        choice = Choice(0, message, _finish_reason(finished, bool(calls)), logprobs)
         return ChatCompletion(
             self.completion_id, int(time.time()), self.started.model_name, [choice], _usage(finished)
         )
@@ -215,9 +173,12 @@ class CompletionStream:
         self.include_usage = include_usage
         self.created = int(time.time())
         self.num_calls = 0
+        self.logprobs: list[TokenLogprob] = []  # for the next chunk: its tokens' (or earlier ones')
 
     async def event(self, event: TurnEvent) -> None:
         match event:
+            case Logprobs(tokens=tokens):
+                self.logprobs += tokens
             case PromptStarted():
                 await self._send(Delta(role="assistant", content=""))
             case ThinkingPart(text=text) if text:
@@ -245,7 +206,10 @@ class CompletionStream:
     async def _send(
         self, delta: Delta | None, finish_reason: str | None = None, usage: Usage | None = None
     ) -> None:
-        choices = [] if delta is None else [ChunkChoice(0, delta, finish_reason)]
+        choices = []
+        if delta is not None:
+            logprobs, self.logprobs = (wire_logprobs(self.logprobs) if self.logprobs else None), []
+            choices = [ChunkChoice(0, delta, finish_reason, logprobs)]
         chunk = ChatCompletionChunk(
             self.completion_id, self.created, self.started.model_name, choices, usage=usage
         )

@@ -8,7 +8,8 @@ import msgspec
 from aiohttp import web
 
 from semantic.actors.agent_id import MAX_AGENT_ID_LENGTH
-from semantic.protocols import agents, anthropic, openai
+from semantic.engine.sampling import MAX_TOP_LOGPROBS
+from semantic.protocols import agents, anthropic, openai_wire
 from semantic.protocols.admin import LoadModel
 from semantic.protocols.errors import AgentError, AnthropicError, OpenAIError
 
@@ -89,14 +90,19 @@ def _refine(components: dict[str, Any]) -> None:
     for request in ("MessagesRequest", "ChatCompletionRequest"):
         components[request]["properties"]["messages"]["minItems"] = 1
     _restrict(components["MessagesRequest"]["properties"]["temperature"], {"maximum": 1})
-    components["ChatCompletionRequest"]["properties"]["n"] = {"const": 1, "default": 1}
+    chat = components["ChatCompletionRequest"]
+    chat["properties"]["n"] = {"const": 1, "default": 1}
+    _restrict(chat["properties"]["top_logprobs"], {"minimum": 0, "maximum": MAX_TOP_LOGPROBS})
+    chat["dependentSchemas"] = {  # as OpenAI: top_logprobs only with logprobs
+        "top_logprobs": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
+    }
     turn = components["AgentTurn"]
     turn["anyOf"] = [{"required": ["content"]}, {"required": ["messages"]}]
     turn["properties"]["content"] = {"type": "string"}
     turn["properties"]["messages"]["anyOf"][0]["minItems"] = 1
     optional_agent_id = {"anyOf": [AGENT_ID_SCHEMA, {"type": "null"}], "default": None}
     components["CreateAgent"]["properties"]["id"] = optional_agent_id
-    components["ChatCompletionRequest"]["properties"]["session_id"] = optional_agent_id
+    chat["properties"]["session_id"] = optional_agent_id
 
 
 def _restrict(schema: dict[str, Any], limits: dict[str, Any]) -> None:
@@ -111,8 +117,8 @@ def build() -> dict[str, Any]:
         anthropic.MessagesRequest,
         anthropic.MessageResponse,
         anthropic.TokenCount,
-        openai.ChatCompletionRequest,
-        openai.ChatCompletion,
+        openai_wire.ChatCompletionRequest,
+        openai_wire.ChatCompletion,
         agents.CreateAgent,
         agents.AgentTurn,
         agents.TurnResult,
@@ -143,8 +149,8 @@ def build() -> dict[str, Any]:
             "post": _operation(
                 "OpenAI chat completions",
                 OpenAIError,
-                openai.ChatCompletionRequest,
-                openai.ChatCompletion,
+                openai_wire.ChatCompletionRequest,
+                openai_wire.ChatCompletion,
                 True,
             )
         },

@@ -20,6 +20,7 @@ from aiohttp import web
 from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.engine.messages import Event, Finished, PromptProgress, PromptStarted, TokenDelta
 from semantic.engine.sampling import SamplingParams
+from semantic.engine.token_logprobs import TokenLogprob
 from semantic.protocols.common import SETTINGS_KEY, SYSTEM_KEY, SseWriter, json_response
 from semantic.protocols.errors import ApiError, as_api_error
 from semantic.protocols.observe import admit, check_bounds, watch
@@ -34,7 +35,16 @@ class KeepAlive:
     """No event for KEEPALIVE_S (a long prefill or a queue): a stream sends a ping."""
 
 
-TurnEvent = PromptStarted | PromptProgress | ParsedPart | ThinkingPart | ThinkingEnd | Finished | KeepAlive
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """The log-probabilities of the tokens whose text (if any) comes in the parts that follow."""
+
+    tokens: list[TokenLogprob]
+
+
+TurnEvent = (
+    PromptStarted | PromptProgress | Logprobs | ParsedPart | ThinkingPart | ThinkingEnd | Finished | KeepAlive
+)
 
 
 class TurnReply(Protocol):
@@ -61,6 +71,7 @@ def sampling_params(
     seed: int | None,
     max_tokens: int | None,
     stop: tuple[str, ...],
+    top_logprobs: int | None = None,
 ) -> SamplingParams:
     """A request's sampling, with the server's defaults for what it leaves out."""
     model = request.app[SETTINGS_KEY].model
@@ -71,6 +82,7 @@ def sampling_params(
         max_tokens=model.default_max_tokens if max_tokens is None else max_tokens,
         stop=stop,
         seed=seed,
+        top_logprobs=top_logprobs,
     )
 
 
@@ -147,7 +159,9 @@ async def turn_events(started: TurnStarted) -> AsyncIterator[TurnEvent]:
 
     async for event in _with_keepalives(started):
         match event:
-            case TokenDelta(text=text):
+            case TokenDelta(text=text, logprobs=logprobs):
+                if logprobs:
+                    yield Logprobs(logprobs)
                 for part in split(text):
                     yield part
             case Finished():
