@@ -32,6 +32,7 @@ async def build_request(
     """The prompt (continuing `conversation` when the agent keeps one) and its engine request; raises
     PromptLimitError past `max_prompt_tokens` after handing the tokenizer's memory back."""
     chat, loaded = session.chat, session.loaded
+    turn.sampling.check_token_ids(loaded.num_logits)
     bound = PromptBound(loaded.max_chars_per_token, loaded.context_length, max_prompt_tokens)
     if conversation is not None:
         history, system = conversation.token_ids, conversation.system

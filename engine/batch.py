@@ -33,7 +33,7 @@ from semantic.engine.mixing_generator import GeneratorFactory
 from semantic.engine.outbox import Outbox
 from semantic.engine.prefill_budget import PrefillBudget, per_prompt_chunk
 from semantic.engine.running import RunningSequences
-from semantic.engine.sampling import make_sampler
+from semantic.engine.sampling import make_processors, make_sampler
 from semantic.engine.sequence import Sequence, SetAside
 from semantic.engine.text_stream import TextStream
 from semantic.engine.token_logprobs import TokenTexts, token_logprob
@@ -109,7 +109,8 @@ class Batch:
             if request.cache_tier_hint and prepared.num_cached_tokens:
                 prepared.tier = request.cache_tier_hint
             sampler = make_sampler(request.sampling, self._loaded.vocab_size)
-            processors = [request.grammar] if request.grammar is not None else []
+            processors = make_processors(request.sampling, self._loaded.num_logits)
+            processors += [request.grammar] if request.grammar is not None else []  # the mask last
             uid = self._insert(request, prepared.num_cached_tokens, prepared.caches, sampler, processors)
         except BaseException:
             self._pool.free(reserved)

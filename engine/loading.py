@@ -43,6 +43,12 @@ class LoadedModel:
     def vocab_size(self) -> int:
         return int(self.tokenizer.vocab_size)
 
+    @property
+    def num_logits(self) -> int:
+        """How many token ids the model scores (its embedding's rows: added tokens included)."""
+        args = getattr(self.model, "args", None)
+        return int(getattr(args, "vocab_size", 0) or len(self.tokenizer))
+
 
 def is_default_model(source: str) -> bool:
     return source in DEFAULT_MODEL_SOURCES

@@ -56,6 +56,11 @@ class SubmitOp(msgspec.Struct, tag=True):
     cache_salt: str | None = None
     grammar: str | None = None
     grammar_trigger: str | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = msgspec.field(default_factory=list)
 
 
 class CancelOp(msgspec.Struct, tag=True):
@@ -205,6 +210,11 @@ def _submit_op(request: GenerationRequest, queued_at: float) -> SubmitOp:
         cache_salt=_str(request.cache_salt),
         grammar=grammar.grammar if grammar is not None else None,
         grammar_trigger=grammar.trigger if grammar is not None else None,
+        min_p=sampling.min_p,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        logit_bias=list(sampling.logit_bias),
     )
 
 
@@ -222,6 +232,11 @@ def request_of(op: SubmitOp) -> GenerationRequest:
         max_tokens=op.max_tokens,
         stop=tuple(op.stop),
         seed=op.seed,
+        min_p=op.min_p,
+        presence_penalty=op.presence_penalty,
+        frequency_penalty=op.frequency_penalty,
+        repetition_penalty=op.repetition_penalty,
+        logit_bias=tuple((int(t), float(b)) for t, b in op.logit_bias),
     )
     return GenerationRequest(
         request_id=op.request_id,

@@ -53,6 +53,10 @@ class AgentTurn(msgspec.Struct):
     top_k: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     model: str | None = None  # a configured model to switch to first; None: the loaded one
     cache_salt: CacheSalt | None = None  # only turns with the same salt share prefix blocks
 
@@ -147,6 +151,10 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         seed=body.seed,
         max_tokens=body.max_tokens,
         stop=tuple(body.stop),
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
     )
     turn = TurnRequest(
         f"turn-{uuid.uuid4().hex}",

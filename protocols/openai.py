@@ -35,9 +35,9 @@ from semantic.protocols.openai_wire import (
     Usage,
     decode_request,
     output_schema,
+    sampling_options,
     to_chat_messages,
     tool_choice,
-    top_logprobs,
     wire_logprobs,
 )
 from semantic.protocols.pipeline import (
@@ -77,7 +77,7 @@ def to_turn(request: web.Request, body: ChatCompletionRequest) -> TurnRequest:
         seed=body.seed,
         max_tokens=max_tokens,
         stop=stop,
-        top_logprobs=top_logprobs(body),
+        **sampling_options(body),
     )
     return TurnRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",

@@ -96,6 +96,11 @@ class ChatCompletionRequest(msgspec.Struct):
     cache_salt: CacheSalt | None = None  # vLLM's: only requests with the same salt share prefix blocks
     logprobs: bool = False
     top_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (as a string key): added to its logit
+    repetition_penalty: float = 1.0  # vLLM's and mlx_lm.server's extension, as is min_p
+    min_p: float = 0.0
 
 
 # ---- the reply ----
@@ -244,6 +249,22 @@ def output_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
     if form.json_schema is None:
         raise ValueError("response_format.json_schema: required when type is json_schema")
     return form.json_schema.schema or {"type": "object"}
+
+
+def sampling_options(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The SamplingParams fields beyond those every API has."""
+    try:
+        bias = tuple((int(token), float(value)) for token, value in (body.logit_bias or {}).items())
+    except ValueError:
+        raise ValueError("logit_bias: keys are token ids (integers)") from None
+    return {
+        "top_logprobs": top_logprobs(body),
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "min_p": body.min_p,
+        "logit_bias": bias,
+    }
 
 
 def top_logprobs(body: ChatCompletionRequest) -> int | None:

@@ -8,7 +8,7 @@ import msgspec
 from aiohttp import web
 
 from semantic.actors.agent_id import MAX_AGENT_ID_LENGTH
-from semantic.engine.sampling import MAX_TOP_LOGPROBS
+from semantic.engine.sampling import MAX_LOGIT_BIASES, MAX_TOP_LOGPROBS
 from semantic.protocols import agents, anthropic, openai_wire
 from semantic.protocols.admin import LoadModel
 from semantic.protocols.errors import AgentError, AnthropicError, OpenAIError
@@ -76,6 +76,11 @@ SAMPLING_RANGES: dict[str, dict[str, Any]] = {
     "top_p": {"exclusiveMinimum": 0, "maximum": 1},
     "top_k": {"minimum": 0},
     "seed": {"minimum": 0, "maximum": 2**64 - 1},
+    "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 10},
 }
 
 
@@ -92,7 +97,13 @@ def _refine(components: dict[str, Any]) -> None:
     _restrict(components["MessagesRequest"]["properties"]["temperature"], {"maximum": 1})
     chat = components["ChatCompletionRequest"]
     chat["properties"]["n"] = {"const": 1, "default": 1}
-    _restrict(chat["properties"]["top_logprobs"], {"minimum": 0, "maximum": MAX_TOP_LOGPROBS})
+    chat["properties"]["logit_bias"]["anyOf"][0].update(
+        description="token ids (below the model's vocabulary size; the document says below 10,000, which "
+        "every served model's is) mapped to what is added to their logits",
+        propertyNames={"pattern": "^(0|[1-9][0-9]{0,3})$"},
+        additionalProperties={"type": "number", "minimum": -100, "maximum": 100},
+        maxProperties=MAX_LOGIT_BIASES,
+    )
     chat["dependentSchemas"] = {  # as OpenAI: top_logprobs only with logprobs
         "top_logprobs": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
     }

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -71,9 +71,10 @@ def sampling_params(
     seed: int | None,
     max_tokens: int | None,
     stop: tuple[str, ...],
-    top_logprobs: int | None = None,
+    **options: Any,
 ) -> SamplingParams:
-    """A request's sampling, with the server's defaults for what it leaves out."""
+    """A request's sampling, with the server's defaults for what it leaves out; `options` are the
+    SamplingParams fields only some APIs have (penalties, log-probabilities)."""
     model = request.app[SETTINGS_KEY].model
     return SamplingParams(  # None: the served model's generation defaults fill it in
         temperature=model.temperature if temperature is None else temperature,
@@ -82,7 +83,7 @@ def sampling_params(
         max_tokens=model.default_max_tokens if max_tokens is None else max_tokens,
         stop=stop,
         seed=seed,
-        top_logprobs=top_logprobs,
+        **options,
     )
 
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,26 @@ def test_a_sampled_request_gets_one_seed_on_every_rank() -> None:
     greedy = _submit(SamplingParams(temperature=0.0, top_p=1.0, top_k=0))
     greedy_op = tick_plan.op_for(greedy)
     assert isinstance(greedy_op, tick_plan.SubmitOp) and greedy_op.seed is None
+
+
+def test_penalties_and_logit_bias_reach_the_other_ranks() -> None:
+    sampling = SamplingParams(
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.1,
+        presence_penalty=-1.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+        logit_bias=((7, -100.0), (11, 2.5)),
+        top_logprobs=3,  # rank 0's alone: the others send no events
+    )
+    op = tick_plan.op_for(_submit(sampling))
+    assert isinstance(op, tick_plan.SubmitOp)
+    plan = tick_plan.decode(tick_plan.encode(tick_plan.TickPlan([op], None, config_dict(EngineConfig()))))
+    (received,) = plan.ops
+    assert isinstance(received, tick_plan.SubmitOp)
+    assert tick_plan.request_of(received).sampling == replace(sampling, top_logprobs=None)
 
 
 def test_only_what_changes_the_engine_is_shared() -> None:
