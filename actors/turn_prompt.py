@@ -33,6 +33,9 @@ async def build_request(
     PromptLimitError past `max_prompt_tokens` after handing the tokenizer's memory back."""
     chat, loaded = session.chat, session.loaded
     turn.sampling.check_token_ids(loaded.num_logits)
+    ids = turn.prompt_token_ids
+    if ids and not 0 <= min(ids) <= max(ids) < loaded.num_logits:
+        raise ValueError(f"prompt: the model's token ids are 0 to {loaded.num_logits - 1}")
     bound = PromptBound(loaded.max_chars_per_token, loaded.context_length, max_prompt_tokens)
     if conversation is not None:
         history, system = conversation.token_ids, conversation.system
@@ -57,6 +60,7 @@ async def build_request(
         sampling,
         model_fingerprint=session.loaded.fingerprint,
         cache_salt=turn.cache_salt,
+        continues_text=prompt.is_raw or bool(turn.prefill),
     )
     if prompt.grammar is not None:
         compile_grammar = session.grammars.matcher

@@ -80,8 +80,12 @@ class TurnRequest:
     prefill: str = ""  # a final assistant message's text: the reply continues it
     # The direct agent API: `messages` are only what is new; the agent keeps the conversation.
     keeps_conversation: bool = False
-    # Already tokenized (embedding apps, benchmarks): used as is instead of rendering `messages`.
+    # Already tokenized (embedding apps, benchmarks, the completions API): used as is instead of
+    # rendering `messages`.
     prompt_token_ids: list[int] | None = None
+    # The completions API's text: continued as is, without the chat template (the tokenizer adds
+    # what it adds to any text, a BOS say), its reply plain text (no tool calls, no reasoning).
+    raw_prompt: str | None = None
     # The JSON schema the whole reply must follow (OpenAI `response_format`, Anthropic
     # `output_config.format`); enforced by a grammar while decoding.
     output_schema: dict[str, Any] | None = None
@@ -111,6 +115,7 @@ class PreparedPrompt:
     grammar: OutputGrammar | None = None
     tool_format: ToolFormat = HERMES  # how the model writes calls, for the reply's tool-call parser
     tools: list[dict[str, Any]] | None = None  # the request's tools: parsers type arguments by them
+    is_raw: bool = False  # a completion of raw text or tokens: its reply is all plain text
 
 
 @dataclass(slots=True)
@@ -151,7 +156,14 @@ def prepare_stateless(
     if turn.prompt_token_ids is not None:
         if not turn.prompt_token_ids:
             raise UnsupportedContentError("prompt_token_ids: the prompt is empty")
-        return PreparedPrompt(list(turn.prompt_token_ids), "", False, "")
+        return PreparedPrompt(list(turn.prompt_token_ids), "", False, "", is_raw=True)
+    if turn.raw_prompt is not None:
+        if bound is not None:
+            bound.refuse_obviously_long(turn.raw_prompt)
+        token_ids = chat.tokenizer.encode(turn.raw_prompt)
+        if not token_ids:
+            raise UnsupportedContentError("prompt: the prompt is empty")
+        return PreparedPrompt(list(token_ids), "", False, "", is_raw=True)
     if not turn.messages:
         raise UnsupportedContentError("messages: none has content the model can read")
     forced = forced_call(turn.tool_choice, tool_names(turn.tools))

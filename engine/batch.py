@@ -116,8 +116,9 @@ class Batch:
             self._pool.free(reserved)
             raise
         store.pin(agent_id)
+        follows = request.prompt_tokens[-1] if request.continues_text else None
         text = TextStream(
-            self._loaded.tokenizer.detokenizer, request.sampling.stop, self._loaded.eos_token_ids
+            self._loaded.tokenizer.detokenizer, request.sampling.stop, self._loaded.eos_token_ids, follows
         )
         sequence = Sequence(
             request,

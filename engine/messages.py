@@ -34,6 +34,8 @@ class GenerationRequest:
     cache_salt: str | None = None
     # The logits mask of a constrained reply (engine/grammar.py); the engine thread's from submit on.
     grammar: GrammarMatcher | None = None
+    # The reply continues the prompt's text (a prefill, a raw completion): its first space is kept.
+    continues_text: bool = False
 
 
 @dataclass(slots=True)

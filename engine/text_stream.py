@@ -7,8 +7,20 @@ from typing import Any
 
 
 class TextStream:
-    def __init__(self, detokenizer: Any, stop: tuple[str, ...], eos_token_ids: Collection[int]) -> None:
+    def __init__(
+        self,
+        detokenizer: Any,
+        stop: tuple[str, ...],
+        eos_token_ids: Collection[int],
+        follows_token: int | None = None,
+    ) -> None:
+        """`follows_token`: the prompt's last token, where the reply continues its text (a prefilled
+        reply, a raw completion): read first and not shown, so that the reply's first token keeps
+        the space it starts with (mlx-lm's detokenizers drop it at the start of a text)."""
         self._detokenizer = detokenizer
+        if follows_token is not None:
+            detokenizer.add_token(follows_token)
+            _ = detokenizer.last_segment
         self._stop = stop
         self._eos_token_ids = eos_token_ids
         self._pending = ""

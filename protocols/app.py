@@ -11,7 +11,7 @@ from aiohttp import web
 
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.config import Settings
-from semantic.protocols import admin, agents, anthropic, openai, openapi
+from semantic.protocols import admin, agents, anthropic, completions, openai, openapi
 from semantic.protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY, SYSTEM_KEY
 from semantic.protocols.errors import errors_in_protocol_shape
 from semantic.protocols.guard import Gate
@@ -91,6 +91,7 @@ def create_app(config: SystemConfig, settings: Settings | None = None) -> web.Ap
     app.router.add_post("/admin/models/load", admin.load_model)
     app.router.add_post("/admin/models/unload", admin.unload_model)
     openai.add_routes(app)
+    completions.add_routes(app)
     anthropic.add_routes(app)
     agents.add_routes(app)
     return app

@@ -19,26 +19,28 @@ from semantic.engine.messages import Finished, FinishReason, PromptStarted
 from semantic.engine.token_logprobs import TokenLogprob
 from semantic.protocols.common import SYSTEM_KEY, SseWriter
 from semantic.protocols.errors import ApiError, OpenAIError, OpenAIErrorDetail
-from semantic.protocols.openai_wire import (
+from semantic.protocols.openai_reply import (
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     Choice,
     ChunkChoice,
     Delta,
-    FunctionCall,
     FunctionDelta,
-    PromptTokensDetails,
-    ToolCall,
     ToolCallDelta,
     Usage,
+    usage_of,
+    wire_logprobs,
+)
+from semantic.protocols.openai_wire import (
+    ChatCompletionRequest,
+    FunctionCall,
+    ToolCall,
     decode_request,
     output_schema,
     sampling_options,
     to_chat_messages,
     tool_choice,
-    wire_logprobs,
 )
 from semantic.protocols.pipeline import (
     CollectedReply,
@@ -106,15 +108,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await answer_turn(request, turn, body.stream, reply, PING_FRAME)
 
 
-def _usage(finished: Finished) -> Usage:
-    return Usage(
-        prompt_tokens=finished.num_prompt_tokens,
-        completion_tokens=finished.num_generated_tokens,
-        total_tokens=finished.num_prompt_tokens + finished.num_generated_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=finished.num_cached_tokens),
-    )
-
-
 def _finish_reason(finished: Finished, called_tool: bool) -> str:
     return "tool_calls" if called_tool else _FINISH_REASONS[finished.reason]
 
@@ -159,7 +152,7 @@ class CompletionReply(CollectedReply):
         logprobs = None if self.logprobs is None else wire_logprobs(self.logprobs.tokens)
         choice = Choice(0, message, _finish_reason(finished, bool(calls)), logprobs)
         return ChatCompletion(
-            self.completion_id, int(time.time()), self.started.model_name, [choice], _usage(finished)
+            self.completion_id, int(time.time()), self.started.model_name, [choice], usage_of(finished)
         )
 
 
@@ -194,7 +187,7 @@ class CompletionStream:
             case Finished():
                 await self._send(Delta(), _finish_reason(event, self.num_calls > 0))
                 if self.include_usage:
-                    await self._send(None, usage=_usage(event))
+                    await self._send(None, usage=usage_of(event))
                 await self.sse.raw(b"data: [DONE]\n\n")
 
     async def error(self, error: ApiError) -> None:

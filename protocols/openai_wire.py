@@ -1,4 +1,4 @@
-"""The OpenAI chat completions request and reply as the SDK sends and reads them, and their conversions."""
+"""The OpenAI chat completions request as the SDK sends it, and its conversion to a turn's parts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import msgspec
 
 from semantic.actors.turns import ToolChoice
 from semantic.engine.chat_format import ChatMessage as TemplateMessage
-from semantic.engine.token_logprobs import TokenLogprob as EngineTokenLogprob
 from semantic.protocols.tenancy import CacheSalt
 
 
@@ -103,96 +102,6 @@ class ChatCompletionRequest(msgspec.Struct):
     min_p: float = 0.0
 
 
-# ---- the reply ----
-
-
-class TopLogprob(msgspec.Struct):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(msgspec.Struct):
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[TopLogprob]
-
-
-class ChoiceLogprobs(msgspec.Struct):
-    content: list[TokenLogprob]
-    refusal: None = None
-
-
-class PromptTokensDetails(msgspec.Struct):
-    cached_tokens: int
-
-
-class Usage(msgspec.Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class AssistantMessage(msgspec.Struct, omit_defaults=True):
-    role: Literal["assistant"]
-    content: str | None
-    tool_calls: list[ToolCall] | None = None
-    reasoning_content: str | None = None  # a reasoning model's <think> block, as DeepSeek and vLLM send it
-
-
-class Choice(msgspec.Struct):
-    index: int
-    message: AssistantMessage
-    finish_reason: str | None
-    logprobs: ChoiceLogprobs | None = None
-
-
-class ChatCompletion(msgspec.Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage
-    object: Literal["chat.completion"] = "chat.completion"
-
-
-class FunctionDelta(msgspec.Struct, omit_defaults=True):
-    name: str | None = None
-    arguments: str = ""
-
-
-class ToolCallDelta(msgspec.Struct, omit_defaults=True):
-    index: int
-    function: FunctionDelta
-    id: str | None = None
-    type: str | None = None
-
-
-class Delta(msgspec.Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-class ChunkChoice(msgspec.Struct):
-    index: int
-    delta: Delta
-    finish_reason: str | None
-    logprobs: ChoiceLogprobs | None = None
-
-
-class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
-    id: str
-    created: int
-    model: str
-    choices: list[ChunkChoice]
-    usage: Usage | None = None
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-
-
 def _text_of(message: ChatMessage) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
@@ -274,23 +183,6 @@ def top_logprobs(body: ChatCompletionRequest) -> int | None:
             raise ValueError("top_logprobs needs logprobs: true")
         return None
     return body.top_logprobs or 0
-
-
-LOWEST_LOGPROB = -9999.0  # what OpenAI sends for a token the model ruled out; JSON has no -inf
-
-
-def wire_logprobs(tokens: list[EngineTokenLogprob]) -> ChoiceLogprobs:
-    def entry(text: str, logprob: float) -> tuple[str, float, list[int]]:
-        return text, max(logprob, LOWEST_LOGPROB), list(text.encode("utf-8", errors="replace"))
-
-    return ChoiceLogprobs(
-        [
-            TokenLogprob(
-                *entry(token.text, token.logprob), [TopLogprob(*entry(t.text, t.logprob)) for t in token.top]
-            )
-            for token in tokens
-        ]
-    )
 
 
 decode_request = msgspec.json.Decoder(ChatCompletionRequest).decode

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from semantic.actors.agent_id import MAX_AGENT_ID_LENGTH
 from semantic.engine.sampling import MAX_LOGIT_BIASES, MAX_TOP_LOGPROBS
-from semantic.protocols import agents, anthropic, openai_wire
+from semantic.protocols import agents, anthropic, completions, openai_reply, openai_wire
 from semantic.protocols.admin import LoadModel
 from semantic.protocols.errors import AgentError, AnthropicError, OpenAIError
 
@@ -69,6 +69,8 @@ AGENT_ID_SCHEMA = {
 AGENT_ID = [{"name": "agent_id", "in": "path", "required": True, "schema": AGENT_ID_SCHEMA}]
 
 
+MAX_TOKEN_ID = 9_999  # what the document allows in token ids (the handlers check the model's own)
+TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
 SAMPLING_RANGES: dict[str, dict[str, Any]] = {
     "max_tokens": {"minimum": 1},
     "max_completion_tokens": {"minimum": 1},
@@ -87,7 +89,7 @@ SAMPLING_RANGES: dict[str, dict[str, Any]] = {
 def _refine(components: dict[str, Any]) -> None:
     """Rules the handlers check that the wire Structs do not state (engine/sampling.py's ranges,
     each API's own), so that generated valid requests are valid."""
-    for request in ("MessagesRequest", "ChatCompletionRequest", "AgentTurn"):
+    for request in ("MessagesRequest", "ChatCompletionRequest", "CompletionRequest", "AgentTurn"):
         properties = components[request]["properties"]
         for name, limits in SAMPLING_RANGES.items():
             if name in properties:
@@ -96,14 +98,32 @@ def _refine(components: dict[str, Any]) -> None:
         components[request]["properties"]["messages"]["minItems"] = 1
     _restrict(components["MessagesRequest"]["properties"]["temperature"], {"maximum": 1})
     chat = components["ChatCompletionRequest"]
-    chat["properties"]["n"] = {"const": 1, "default": 1}
-    chat["properties"]["logit_bias"]["anyOf"][0].update(
-        description="token ids (below the model's vocabulary size; the document says below 10,000, which "
-        "every served model's is) mapped to what is added to their logits",
-        propertyNames={"pattern": "^(0|[1-9][0-9]{0,3})$"},
-        additionalProperties={"type": "number", "minimum": -100, "maximum": 100},
-        maxProperties=MAX_LOGIT_BIASES,
+    completion = components["CompletionRequest"]
+    for request in (chat, completion):
+        request["properties"]["n"] = {"const": 1, "default": 1}
+        request["properties"]["logit_bias"]["anyOf"][0].update(
+            description=f"token ids (below the model's vocabulary size; below {MAX_TOKEN_ID + 1:,} here, "
+            "as the vocabularies of all common models are larger) mapped to what is added to their logits",
+            propertyNames={"pattern": "^(0|[1-9][0-9]{0,3})$"},
+            additionalProperties={"type": "number", "minimum": -100, "maximum": 100},
+            maxProperties=MAX_LOGIT_BIASES,
+        )
+    completion["properties"].update(
+        prompt={
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
+                },
+            ]
+        },
+        best_of={"anyOf": [{"const": 1}, {"type": "null"}], "default": None},
+        echo={"const": False, "default": False},
+        suffix={"anyOf": [{"const": ""}, {"type": "null"}], "default": None},
     )
+    _restrict(completion["properties"]["logprobs"], {"minimum": 0, "maximum": MAX_TOP_LOGPROBS})
     chat["dependentSchemas"] = {  # as OpenAI: top_logprobs only with logprobs
         "top_logprobs": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}
     }
@@ -129,7 +149,9 @@ def build() -> dict[str, Any]:
         anthropic.MessageResponse,
         anthropic.TokenCount,
         openai_wire.ChatCompletionRequest,
-        openai_wire.ChatCompletion,
+        openai_reply.ChatCompletion,
+        completions.CompletionRequest,
+        completions.Completion,
         agents.CreateAgent,
         agents.AgentTurn,
         agents.TurnResult,
@@ -161,7 +183,16 @@ def build() -> dict[str, Any]:
                 "OpenAI chat completions",
                 OpenAIError,
                 openai_wire.ChatCompletionRequest,
-                openai_wire.ChatCompletion,
+                openai_reply.ChatCompletion,
+                True,
+            )
+        },
+        "/v1/completions": {
+            "post": _operation(
+                "OpenAI text completions (raw text or token ids, no chat template)",
+                OpenAIError,
+                completions.CompletionRequest,
+                completions.Completion,
                 True,
             )
         },

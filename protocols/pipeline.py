@@ -149,7 +149,8 @@ async def turn_events(started: TurnStarted) -> AsyncIterator[TurnEvent]:
     """
     prompt = started.prompt
     parser = ToolCallParser(prompt.tool_format, prompt.tools, enabled=prompt.parses_tools)
-    reasoning = None if prompt.reply_prefix else ReasoningSplitter(prompt_opens_thinking(prompt.text_tail))
+    splits_reasoning = not (prompt.reply_prefix or prompt.is_raw)
+    reasoning = ReasoningSplitter(prompt_opens_thinking(prompt.text_tail)) if splits_reasoning else None
 
     def split(text: str, final: bool = False) -> list[TurnEvent]:
         pieces = (reasoning.finish() if final else reasoning.feed(text)) if reasoning else [text]

@@ -264,3 +264,17 @@ def test_reasoning_comes_back_as_a_signed_thinking_block(server) -> None:  # typ
     block = reply.content[0]
     assert block.type == "thinking" and block.thinking == thinking
     assert block.signature == deltas[-1]["signature"]
+
+
+def test_a_prefilled_reply_continues_the_text_with_its_space(server) -> None:  # type: ignore[no-untyped-def]
+    prefill = "The capital of France is"
+    reply = client_for(server).messages.create(
+        model="claude-x",
+        max_tokens=8,
+        messages=[  # no temperature: the default model's own sampling is greedy
+            {"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": prefill},
+        ],
+    )
+    text = reply.content[0].text  # type: ignore[union-attr]
+    assert text.startswith(" Paris"), text  # the reply alone, which the client appends to its prefill

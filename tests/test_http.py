@@ -203,3 +203,6 @@ def test_reasoning_comes_back_as_reasoning_content(server) -> None:  # type: ign
     assert reply.choices[0].message.reasoning_content == reasoning  # type: ignore[attr-defined]
     with pytest.raises(openai.BadRequestError, match="continue_final_message needs a final assistant"):
         client.chat.completions.create(messages=QUESTION, extra_body=extra, **options)  # type: ignore[call-overload]
+    prefilled = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    continued = client.chat.completions.create(messages=prefilled, extra_body=extra, **options)  # type: ignore[call-overload]
+    assert str(continued.choices[0].message.content).startswith(" Paris")  # its first space kept

@@ -27,7 +27,12 @@ from tests.server_process import ServerProcess
 KEY = "schemathesis-key"
 MAX_REPLY_TOKENS = 4
 CHECKS = [not_a_server_error, response_schema_conformance]
-TURNS = ("POST /v1/messages", "POST /v1/chat/completions", "POST /v1/agents/{agent_id}/messages")
+TURNS = (
+    "POST /v1/messages",
+    "POST /v1/chat/completions",
+    "POST /v1/completions",
+    "POST /v1/agents/{agent_id}/messages",
+)
 CONFIG = SchemathesisConfig.from_dict(
     {
         "seed": 16,

@@ -1,0 +1,231 @@
+"""OpenAI's legacy text completions: `POST /v1/completions`, streamed (SSE) or not.
+
+The prompt (text, or token ids) is continued as is, without the chat template, and the reply is
+plain text: no tool calls, no reasoning split. What mlx_lm.server and vLLM serve at this path, for
+clients that complete text (code completion, evaluation harnesses) rather than chat.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+import msgspec
+from aiohttp import web
+
+from semantic.actors.turns import TurnRequest, TurnStarted
+from semantic.engine.messages import Finished, FinishReason
+from semantic.engine.sampling import MAX_TOP_LOGPROBS
+from semantic.engine.token_logprobs import TokenLogprob
+from semantic.protocols.common import SseWriter
+from semantic.protocols.errors import ApiError, OpenAIError, OpenAIErrorDetail
+from semantic.protocols.openai import PING_FRAME
+from semantic.protocols.openai_reply import LOWEST_LOGPROB, Usage, usage_of
+from semantic.protocols.openai_wire import StreamOptions
+from semantic.protocols.pipeline import (
+    CollectedReply,
+    Logprobs,
+    TurnEvent,
+    TurnReply,
+    answer_turn,
+    sampling_params,
+)
+from semantic.protocols.tenancy import CacheSalt, request_agent_id, scoped_cache_salt
+from semantic.protocols.tool_parser import TextPart
+
+_FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
+
+
+class CompletionRequest(msgspec.Struct):
+    prompt: str | list[int]
+    model: str = "default"
+    stream: bool = False
+    max_tokens: int | None = 16  # OpenAI's default for this API
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: int | None = None  # how many alternatives each token's log-probability comes with
+    echo: bool = False
+    suffix: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    session_id: str | None = None
+    stream_options: StreamOptions | None = None
+    cache_salt: CacheSalt | None = None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """The legacy shape: parallel lists, alternatives as {token text: log-probability}."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct):
+    text: str
+    index: int
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(msgspec.Struct, omit_defaults=True):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+decode_request = msgspec.json.Decoder(CompletionRequest).decode
+
+
+def to_turn(request: web.Request, body: CompletionRequest) -> TurnRequest:
+    if body.n != 1 or (body.best_of or 1) != 1:
+        raise ApiError("n and best_of must be 1")
+    if body.echo:
+        raise ApiError("echo is not supported: the prompt's own log-probabilities are not computed")
+    if body.suffix:
+        raise ApiError("suffix is not supported: the prompt is continued at its end")
+    if not body.prompt:
+        raise ApiError("prompt must not be empty")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
+        raise ApiError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}")
+    try:
+        bias = tuple((int(token), float(value)) for token, value in (body.logit_bias or {}).items())
+    except ValueError:
+        raise ApiError("logit_bias: keys are token ids (integers)") from None
+    sampling = sampling_params(
+        request,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        max_tokens=body.max_tokens,
+        stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
+        top_logprobs=body.logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_p=body.min_p,
+        logit_bias=bias,
+    )
+    text, token_ids = (body.prompt, None) if isinstance(body.prompt, str) else (None, body.prompt)
+    return TurnRequest(
+        request_id=f"cmpl-{uuid.uuid4().hex}",
+        agent_id=request_agent_id(request, body.session_id),
+        cache_salt=scoped_cache_salt(request, body.cache_salt),
+        messages=[],
+        sampling=sampling,
+        model=body.model,
+        raw_prompt=text,
+        prompt_token_ids=token_ids,
+    )
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = decode_request(await request.read())
+    turn = to_turn(request, body)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def reply(started: TurnStarted, sse: SseWriter | None) -> TurnReply:
+        if sse is None:
+            return CollectedCompletion(started, turn.request_id, body.logprobs is not None)
+        return CompletionStream(started, turn.request_id, sse, include_usage)
+
+    return await answer_turn(request, turn, body.stream, reply, PING_FRAME)
+
+
+def legacy_logprobs(tokens: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    """`tokens` in the legacy shape, the first starting `offset` characters into the reply."""
+    logprobs = CompletionLogprobs([], [], [], [])
+    for token in tokens:
+        logprobs.tokens.append(token.text)
+        logprobs.token_logprobs.append(max(token.logprob, LOWEST_LOGPROB))
+        logprobs.top_logprobs.append({t.text: max(t.logprob, LOWEST_LOGPROB) for t in token.top})
+        logprobs.text_offset.append(offset)
+        offset += len(token.text)
+    return logprobs
+
+
+class CollectedCompletion(CollectedReply):
+    """A non-streaming reply: one text_completion."""
+
+    def __init__(self, started: TurnStarted, completion_id: str, with_logprobs: bool) -> None:
+        self.started = started
+        self.completion_id = completion_id
+        self.texts: list[str] = []
+        self.logprobs: list[TokenLogprob] | None = [] if with_logprobs else None
+
+    async def event(self, event: TurnEvent) -> None:
+        match event:
+            case Logprobs(tokens=tokens) if self.logprobs is not None:
+                self.logprobs += tokens
+            case TextPart(text=text):
+                self.texts.append(text)
+            case Finished():
+                self.finished = event
+
+    def body(self) -> Completion:
+        finished = self.final
+        logprobs = None if self.logprobs is None else legacy_logprobs(self.logprobs, 0)
+        choice = CompletionChoice("".join(self.texts), 0, logprobs, _FINISH_REASONS[finished.reason])
+        return Completion(
+            self.completion_id, int(time.time()), self.started.model_name, [choice], usage_of(finished)
+        )
+
+
+class CompletionStream:
+    """A streaming reply: text_completion chunks, a usage chunk on request, then [DONE]."""
+
+    def __init__(self, started: TurnStarted, completion_id: str, sse: SseWriter, include_usage: bool) -> None:
+        self.started = started
+        self.completion_id = completion_id
+        self.sse = sse
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.logprobs: list[TokenLogprob] = []  # for the next chunk: its tokens' (or earlier ones')
+        self.num_chars = 0
+
+    async def event(self, event: TurnEvent) -> None:
+        match event:
+            case Logprobs(tokens=tokens):
+                self.logprobs += tokens
+            case TextPart(text=text) if text:
+                await self._send(text)
+            case Finished():
+                await self._send("", _FINISH_REASONS[event.reason])
+                if self.include_usage:
+                    await self._send(None, usage=usage_of(event))
+                await self.sse.raw(b"data: [DONE]\n\n")
+
+    async def error(self, error: ApiError) -> None:
+        await self.sse.event(None, OpenAIError(OpenAIErrorDetail(message=str(error), type=error.kind)))
+
+    def body(self) -> object:
+        raise AssertionError("a streamed reply has no body: pipeline bug")
+
+    async def _send(
+        self, text: str | None, finish_reason: str | None = None, usage: Usage | None = None
+    ) -> None:
+        choices: list[CompletionChoice] = []
+        if text is not None:
+            logprobs = legacy_logprobs(self.logprobs, self.num_chars) if self.logprobs else None
+            self.logprobs, self.num_chars = [], self.num_chars + len(text)
+            choices = [CompletionChoice(text, 0, logprobs, finish_reason)]
+        chunk = Completion(self.completion_id, self.created, self.started.model_name, choices, usage)
+        await self.sse.event(None, chunk)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
