@@ -19,10 +19,11 @@ from semantic.engine.messages import Finished, FinishReason
 from semantic.engine.sampling import MAX_TOP_LOGPROBS
 from semantic.engine.token_logprobs import TokenLogprob
 from semantic.protocols.common import SseWriter
-from semantic.protocols.errors import ApiError, OpenAIError, OpenAIErrorDetail
+from semantic.protocols.errors import ApiError
 from semantic.protocols.openai import PING_FRAME
 from semantic.protocols.openai_reply import LOWEST_LOGPROB, Usage, usage_of
-from semantic.protocols.openai_wire import StreamOptions
+from semantic.protocols.openai_stream import OpenAIStream
+from semantic.protocols.openai_wire import StreamOptions, token_biases
 from semantic.protocols.pipeline import (
     CollectedReply,
     Logprobs,
@@ -101,10 +102,6 @@ def to_turn(request: web.Request, body: CompletionRequest) -> TurnRequest:
         raise ApiError("prompt must not be empty")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
         raise ApiError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}")
-    try:
-        bias = tuple((int(token), float(value)) for token, value in (body.logit_bias or {}).items())
-    except ValueError:
-        raise ApiError("logit_bias: keys are token ids (integers)") from None
     sampling = sampling_params(
         request,
         temperature=body.temperature,
@@ -118,7 +115,7 @@ def to_turn(request: web.Request, body: CompletionRequest) -> TurnRequest:
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,
         min_p=body.min_p,
-        logit_bias=bias,
+        logit_bias=token_biases(body.logit_bias),
     )
     text, token_ids = (body.prompt, None) if isinstance(body.prompt, str) else (None, body.prompt)
     return TurnRequest(
@@ -185,46 +182,30 @@ class CollectedCompletion(CollectedReply):
         )
 
 
-class CompletionStream:
+class CompletionStream(OpenAIStream[str, CompletionChoice]):
     """A streaming reply: text_completion chunks, a usage chunk on request, then [DONE]."""
 
     def __init__(self, started: TurnStarted, completion_id: str, sse: SseWriter, include_usage: bool) -> None:
-        self.started = started
-        self.completion_id = completion_id
-        self.sse = sse
-        self.include_usage = include_usage
-        self.created = int(time.time())
-        self.logprobs: list[TokenLogprob] = []  # for the next chunk: its tokens' (or earlier ones')
+        super().__init__(started, completion_id, sse, include_usage)
         self.num_chars = 0
 
-    async def event(self, event: TurnEvent) -> None:
-        match event:
-            case Logprobs(tokens=tokens):
-                self.logprobs += tokens
-            case TextPart(text=text) if text:
-                await self._send(text)
-            case Finished():
-                await self._send("", _FINISH_REASONS[event.reason])
-                if self.include_usage:
-                    await self._send(None, usage=usage_of(event))
-                await self.sse.raw(b"data: [DONE]\n\n")
+    async def part(self, event: TurnEvent) -> None:
+        if isinstance(event, TextPart) and event.text:
+            await self.send(event.text)
 
-    async def error(self, error: ApiError) -> None:
-        await self.sse.event(None, OpenAIError(OpenAIErrorDetail(message=str(error), type=error.kind)))
+    def last_piece(self) -> str:
+        return ""
 
-    def body(self) -> object:
-        raise AssertionError("a streamed reply has no body: pipeline bug")
+    def finish_reason(self, finished: Finished) -> str:
+        return _FINISH_REASONS[finished.reason]
 
-    async def _send(
-        self, text: str | None, finish_reason: str | None = None, usage: Usage | None = None
-    ) -> None:
-        choices: list[CompletionChoice] = []
-        if text is not None:
-            logprobs = legacy_logprobs(self.logprobs, self.num_chars) if self.logprobs else None
-            self.logprobs, self.num_chars = [], self.num_chars + len(text)
-            choices = [CompletionChoice(text, 0, logprobs, finish_reason)]
-        chunk = Completion(self.completion_id, self.created, self.started.model_name, choices, usage)
-        await self.sse.event(None, chunk)
+    def choice(self, piece: str, finish_reason: str | None, tokens: list[TokenLogprob]) -> CompletionChoice:
+        logprobs = legacy_logprobs(tokens, self.num_chars) if tokens else None
+        self.num_chars += len(piece)
+        return CompletionChoice(piece, 0, logprobs, finish_reason)
+
+    def chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+        return Completion(self.completion_id, self.created, self.started.model_name, choices, usage)
 
 
 def add_routes(app: web.Application) -> None:

@@ -18,7 +18,7 @@ from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.engine.messages import Finished, FinishReason, PromptStarted
 from semantic.engine.token_logprobs import TokenLogprob
 from semantic.protocols.common import SYSTEM_KEY, SseWriter
-from semantic.protocols.errors import ApiError, OpenAIError, OpenAIErrorDetail
+from semantic.protocols.errors import ApiError
 from semantic.protocols.openai_reply import (
     AssistantMessage,
     ChatCompletion,
@@ -32,6 +32,7 @@ from semantic.protocols.openai_reply import (
     usage_of,
     wire_logprobs,
 )
+from semantic.protocols.openai_stream import OpenAIStream
 from semantic.protocols.openai_wire import (
     ChatCompletionRequest,
     FunctionCall,
@@ -103,7 +104,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     def reply(started: TurnStarted, sse: SseWriter | None) -> TurnReply:
         if sse is None:
             return CompletionReply(started, turn.request_id, body.logprobs)
-        return CompletionStream(started, turn.request_id, sse, include_usage)
+        return ChatCompletionStream(started, turn.request_id, sse, include_usage)
 
     return await answer_turn(request, turn, body.stream, reply, PING_FRAME)
 
@@ -156,57 +157,39 @@ class CompletionReply(CollectedReply):
         )
 
 
-class CompletionStream:
+class ChatCompletionStream(OpenAIStream[Delta, ChunkChoice]):
     """A streaming reply: chat.completion.chunk deltas, a usage chunk on request, then [DONE]."""
 
     def __init__(self, started: TurnStarted, completion_id: str, sse: SseWriter, include_usage: bool) -> None:
-        self.started = started
-        self.completion_id = completion_id
-        self.sse = sse
-        self.include_usage = include_usage
-        self.created = int(time.time())
+        super().__init__(started, completion_id, sse, include_usage)
         self.num_calls = 0
-        self.logprobs: list[TokenLogprob] = []  # for the next chunk: its tokens' (or earlier ones')
 
-    async def event(self, event: TurnEvent) -> None:
+    async def part(self, event: TurnEvent) -> None:
         match event:
-            case Logprobs(tokens=tokens):
-                self.logprobs += tokens
             case PromptStarted():
-                await self._send(Delta(role="assistant", content=""))
+                await self.send(Delta(role="assistant", content=""))
             case ThinkingPart(text=text) if text:
-                await self._send(Delta(reasoning_content=text))
+                await self.send(Delta(reasoning_content=text))
             case TextPart(text=text) if text:
-                await self._send(Delta(content=text))
+                await self.send(Delta(content=text))
             case ToolCallStart(index=index, name=name):
                 self.num_calls += 1
                 call = ToolCallDelta(index, FunctionDelta(name=name), id=_call_id(), type="function")
-                await self._send(Delta(tool_calls=[call]))
+                await self.send(Delta(tool_calls=[call]))
             case ToolArgumentsDelta(index=index, json_text=json_text):
-                await self._send(Delta(tool_calls=[ToolCallDelta(index, FunctionDelta(arguments=json_text))]))
-            case Finished():
-                await self._send(Delta(), _finish_reason(event, self.num_calls > 0))
-                if self.include_usage:
-                    await self._send(None, usage=usage_of(event))
-                await self.sse.raw(b"data: [DONE]\n\n")
+                await self.send(Delta(tool_calls=[ToolCallDelta(index, FunctionDelta(arguments=json_text))]))
 
-    async def error(self, error: ApiError) -> None:
-        await self.sse.event(None, OpenAIError(OpenAIErrorDetail(message=str(error), type=error.kind)))
+    def last_piece(self) -> Delta:
+        return Delta()
 
-    def body(self) -> object:
-        raise AssertionError("a streamed reply has no body: pipeline bug")
+    def finish_reason(self, finished: Finished) -> str:
+        return _finish_reason(finished, self.num_calls > 0)
 
-    async def _send(
-        self, delta: Delta | None, finish_reason: str | None = None, usage: Usage | None = None
-    ) -> None:
-        choices = []
-        if delta is not None:
-            logprobs, self.logprobs = (wire_logprobs(self.logprobs) if self.logprobs else None), []
-            choices = [ChunkChoice(0, delta, finish_reason, logprobs)]
-        chunk = ChatCompletionChunk(
-            self.completion_id, self.created, self.started.model_name, choices, usage=usage
-        )
-        await self.sse.event(None, chunk)
+    def choice(self, piece: Delta, finish_reason: str | None, tokens: list[TokenLogprob]) -> ChunkChoice:
+        return ChunkChoice(0, piece, finish_reason, wire_logprobs(tokens) if tokens else None)
+
+    def chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(self.completion_id, self.created, self.started.model_name, choices, usage)
 
 
 def model_list(request: web.Request) -> dict[str, Any]:

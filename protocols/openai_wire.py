@@ -162,18 +162,22 @@ def output_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
 
 def sampling_options(body: ChatCompletionRequest) -> dict[str, Any]:
     """The SamplingParams fields beyond those every API has."""
-    try:
-        bias = tuple((int(token), float(value)) for token, value in (body.logit_bias or {}).items())
-    except ValueError:
-        raise ValueError("logit_bias: keys are token ids (integers)") from None
     return {
         "top_logprobs": top_logprobs(body),
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty,
         "min_p": body.min_p,
-        "logit_bias": bias,
+        "logit_bias": token_biases(body.logit_bias),
     }
+
+
+def token_biases(logit_bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` (token ids as the keys' text) as the engine takes it."""
+    try:
+        return tuple((int(token), float(value)) for token, value in (logit_bias or {}).items())
+    except ValueError:
+        raise ValueError("logit_bias: keys are token ids (integers)") from None
 
 
 def top_logprobs(body: ChatCompletionRequest) -> int | None:
