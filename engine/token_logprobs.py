@@ -13,6 +13,7 @@ from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,17 +43,16 @@ class TokenTexts:
 
 
 def token_logprob(logprobs: mx.array, token_id: int, num_top: int, texts: TokenTexts) -> TokenLogprob:
-    """`token_id`'s entry from one step's log-probabilities over the vocabulary."""
-    logprobs = logprobs.reshape(-1).astype(mx.float32)
+    """`token_id`'s entry from one step's log-probabilities over the vocabulary (evaluated already).
+
+    Read on the CPU stream: on a GPU the default stream has the next step queued by now, and work
+    put behind it would wait for that step."""
+    row = np.array(logprobs.reshape(-1, stream=mx.cpu).astype(mx.float32, stream=mx.cpu))
     top: tuple[TopLogprob, ...] = ()
     if num_top > 0:
-        candidates = mx.argpartition(-logprobs, num_top - 1)[:num_top]
-        values = logprobs[candidates]
-        order = mx.argsort(-values)
-        ids: list[int] = candidates[order].tolist()  # type: ignore[assignment]
-        top_values: list[float] = values[order].tolist()  # type: ignore[assignment]
+        candidates = np.argpartition(-row, num_top - 1)[:num_top]
+        ranked = candidates[np.argsort(-row[candidates], kind="stable")]
         top = tuple(
-            TopLogprob(i, texts(i), v) for i, v in zip(ids, top_values, strict=True) if not math.isinf(v)
+            TopLogprob(int(i), texts(int(i)), float(row[i])) for i in ranked if not math.isinf(row[i])
         )
-    chosen: float = logprobs[token_id].item()  # type: ignore[assignment]
-    return TokenLogprob(token_id, texts(token_id), chosen, top)
+    return TokenLogprob(token_id, texts(token_id), float(row[token_id]), top)

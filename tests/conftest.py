@@ -38,4 +38,16 @@ def server_factory(tmp_path: Path) -> Iterator[type[ServerProcess]]:
             server.proc.wait()
 
 
+@pytest.fixture(scope="module")
+def module_server(
+    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """One default-model server for a module's tests, which leave it as they would find it."""
+    process = ServerProcess(
+        tmp_path_factory.mktemp("cache"), "--model", str(default_model_dir), "--cache-budget-mb", "512"
+    ).start()
+    yield process
+    process.stop()
+
+
 os.environ.setdefault("SEMANTIC_TEST", "1")

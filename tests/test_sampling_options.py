@@ -17,8 +17,8 @@ NUM_TOKENS = 24
 
 
 @pytest.fixture
-def server(server_factory, default_model_dir: Path):  # type: ignore[no-untyped-def]
-    return server_factory("--model", str(default_model_dir), "--cache-budget-mb", "512").start()
+def server(module_server):  # type: ignore[no-untyped-def]
+    return module_server
 
 
 def client_for(server) -> openai.OpenAI:  # type: ignore[no-untyped-def]
