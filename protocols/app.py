@@ -11,7 +11,7 @@ from aiohttp import web
 
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.config import Settings
-from semantic.protocols import admin, agents, anthropic, completions, openai, openapi
+from semantic.protocols import admin, agents, anthropic, completions, model_cards, openai, openapi
 from semantic.protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY, SYSTEM_KEY
 from semantic.protocols.errors import errors_in_protocol_shape
 from semantic.protocols.guard import Gate
@@ -50,10 +50,6 @@ async def health_ready(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "model": system.models.entry.name, "loaded": True, **extra})
 
 
-async def list_models(request: web.Request) -> web.Response:
-    return web.json_response(openai.model_list(request))
-
-
 def create_app(config: SystemConfig, settings: Settings | None = None) -> web.Application:
     settings = settings or Settings()
     app = web.Application(
@@ -82,14 +78,15 @@ def create_app(config: SystemConfig, settings: Settings | None = None) -> web.Ap
         await system.stop()
 
     app.cleanup_ctx.append(agent_system)
+    app.router.add_get("/health", health_live)  # what mlx_lm.server answers at
     app.router.add_get("/health/live", health_live)
     app.router.add_get("/health/startup", health_startup)
     app.router.add_get("/health/ready", health_ready)
     app.router.add_get("/metrics", app[METRICS_KEY].handle)
     app.router.add_get("/openapi.json", openapi.handle)
-    app.router.add_get("/v1/models", list_models)
     app.router.add_post("/admin/models/load", admin.load_model)
     app.router.add_post("/admin/models/unload", admin.unload_model)
+    model_cards.add_routes(app)
     openai.add_routes(app)
     completions.add_routes(app)
     anthropic.add_routes(app)

@@ -168,7 +168,7 @@ def as_api_error(error: BaseException) -> ApiError:
 def protocol_of(path: str) -> str:
     if path.startswith("/v1/messages"):
         return "anthropic"
-    if path.startswith(("/v1/chat", "/v1/completions")) or path == "/v1/models":
+    if path.startswith(("/v1/chat", "/v1/completions", "/v1/models")):
         return "openai"
     if path.startswith("/v1/agents"):
         return "agents"

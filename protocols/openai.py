@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -17,7 +16,7 @@ from aiohttp import web
 from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.engine.messages import Finished, FinishReason, PromptStarted
 from semantic.engine.token_logprobs import TokenLogprob
-from semantic.protocols.common import SYSTEM_KEY, SseWriter
+from semantic.protocols.common import SseWriter
 from semantic.protocols.errors import ApiError
 from semantic.protocols.openai_reply import (
     AssistantMessage,
@@ -190,40 +189,6 @@ class ChatCompletionStream(OpenAIStream[Delta, ChunkChoice]):
 
     def chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(self.completion_id, self.created, self.started.model_name, choices, usage)
-
-
-def model_list(request: web.Request) -> dict[str, Any]:
-    """Configured models in the shape both OpenAI's and Anthropic's SDKs read, with what is loaded."""
-    models = request.app[SYSTEM_KEY].models
-    loaded = models.entry
-    data = [
-        {
-            "id": entry.name,
-            "object": "model",
-            "type": "model",
-            "display_name": entry.name,
-            "created": 0,
-            "created_at": "1970-01-01T00:00:00Z",
-            "owned_by": "semantic",
-            "source": entry.source,
-            "aliases": list(entry.aliases),
-            "loaded": entry == loaded,
-        }
-        for entry in models.registry.entries
-    ]
-    group = models.engine.group_report()
-    if group is not None:
-        for model in data:
-            if model["loaded"]:
-                model["group"] = group
-    return {
-        "object": "list",
-        "data": data,
-        "has_more": False,
-        "first_id": data[0]["id"],
-        "last_id": data[-1]["id"],
-        "loaded_model_aliases": models.registry.loaded_aliases,
-    }
 
 
 def add_routes(app: web.Application) -> None:

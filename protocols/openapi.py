@@ -26,6 +26,7 @@ SSE_EVENT = {
 }
 SSE = {"text/event-stream": {"schema": SSE_EVENT}}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+ANY_STRING: dict[str, Any] = {"type": "string"}
 
 
 def _ref(cls: type) -> dict[str, str]:
@@ -197,6 +198,12 @@ def build() -> dict[str, Any]:
             )
         },
         "/v1/models": {"get": _operation("Configured models", OpenAIError)},
+        "/v1/models/{model_id}": {
+            "parameters": [
+                {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
+            ],
+            "get": _operation("One configured model, by name or alias", OpenAIError),
+        },
         "/v1/agents": {
             "get": _operation("List agents", AgentError),
             "post": _operation("Create an agent", AgentError, agents.CreateAgent, status="201"),
@@ -214,6 +221,7 @@ def build() -> dict[str, Any]:
             "parameters": AGENT_ID,
             "post": _operation("Write the agent's cache to disk", AgentError),
         },
+        "/health": {"get": _operation("The process answers (as /health/live)", AgentError)},
         "/health/live": {"get": _operation("The process answers", AgentError)},
         "/health/ready": {"get": _operation("Ready to serve (503 with the reason when not)", AgentError)},
         "/health/startup": {"get": _operation("Startup finished", AgentError)},

@@ -51,6 +51,12 @@ def test_swap_and_back_resumes_agents_from_disk_token_exactly(  # type: ignore[n
         ("broken", False),
     ]
     assert listing["data"][1]["aliases"] == ["claude-haiku*"]
+    assert call(server, "GET", "/v1/models/tiny")[1] == listing["data"][1]
+    assert call(server, "GET", "/v1/models/claude-haiku-4-5")[1]["id"] == "tiny"  # by its alias
+    assert call(server, "GET", "/v1/models/gpt-4o")[1] == listing["data"][0]  # the loaded model's alias
+    status, missing = call(server, "GET", "/v1/models/llama-3")
+    assert status == 404 and "is not served here" in missing["error"]["message"]  # OpenAI's shape
+    assert call(server, "GET", "/health")[1] == {"status": "ok"}
 
     # Model A: an agent with two kept turns.
     assert call(server, "POST", "/v1/agents", {"id": "ada", "system": "You are terse."})[0] == 201
