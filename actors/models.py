@@ -47,6 +47,7 @@ class ModelHost:
         registry: ModelRegistry,
         cache_dir: Path,
         persist_caches: bool = True,
+        disk_budget_mb: int | None = None,
         swap_drain_timeout_s: float = 30.0,
         model_wait_s: float = 300.0,
         idle_unload_s: float | None = None,
@@ -56,6 +57,7 @@ class ModelHost:
         self.engine = Engine(engine_config, on_evicted=self._write_evicted)
         self.cache_dir = cache_dir
         self.persist_caches = persist_caches
+        self.disk_budget_bytes = None if disk_budget_mb is None else disk_budget_mb * 2**20
         self.swap_drain_timeout_s = swap_drain_timeout_s
         self.model_wait_s = model_wait_s
         self.idle_unload_s = idle_unload_s
@@ -229,7 +231,7 @@ class ModelHost:
         loaded = self.engine.model
         persistence = None
         if self.persist_caches:
-            persistence = PersistenceActor(self.cache_dir, identity_of(loaded))
+            persistence = PersistenceActor(self.cache_dir, identity_of(loaded), self.disk_budget_bytes)
             await persistence.start()
         grammars = GrammarCompiler(loaded.tokenizer, sorted(loaded.eos_token_ids))
         self.session = ModelSession(loaded, ChatFormat(loaded.tokenizer), persistence, grammars)

@@ -42,6 +42,7 @@ class SystemConfig:
     idle_unload_s: float | None = None  # unload the model after this long without requests
     actor_idle_s: float = 60.0  # an agent actor with an empty mailbox stops after this long
     max_prompt_tokens: int | None = None  # longer prompts are refused (the context also applies)
+    disk_budget_mb: int | None = None  # agents' cache files per model; the least recently used go first
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,7 @@ class AgentSystem:
             registry,
             config.cache_dir,
             persist_caches=config.persist_caches,
+            disk_budget_mb=config.disk_budget_mb,
             swap_drain_timeout_s=config.swap_drain_timeout_s,
             model_wait_s=config.model_wait_s,
             idle_unload_s=config.idle_unload_s,

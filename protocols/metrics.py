@@ -126,6 +126,14 @@ class _SystemCollector(Collector):
         loads = persistence.num_loads if persistence else 0
         yield CounterMetricFamily("semantic_cache_loads", "Agent caches loaded from disk", loads)
         if persistence is not None:
+            yield GaugeMetricFamily(
+                "semantic_disk_cache_bytes", "Agents' cache files on disk", persistence.disk_budget.num_bytes
+            )
+            yield CounterMetricFamily(
+                "semantic_disk_evictions",
+                "Cache files deleted to stay within the disk budget",
+                persistence.num_disk_evictions,
+            )
             yield SummaryMetricFamily(
                 "semantic_persist_duration_seconds",
                 "Time to write one agent's cache file",

@@ -58,6 +58,7 @@ def _system_config(settings: Settings) -> SystemConfig:
         idle_unload_s=settings.model.idle_unload_s,
         swap_drain_timeout_s=settings.model.swap_drain_timeout_s,
         max_prompt_tokens=settings.limits.max_prompt_tokens,
+        disk_budget_mb=settings.cache.disk_budget_mb or None,
     )
 
 

@@ -18,6 +18,11 @@ MODEL_FLAGS = [
     ("--cache-dir", "cache.dir", "where models and agent caches live"),
     ("--models-dir", "model.dir", "where the default model is converted (default: <cache-dir>/models)"),
     ("--cache-budget-mb", "cache.budget_mb", "memory for KV caches, in MiB"),
+    (
+        "--disk-budget-mb",
+        "cache.disk_budget_mb",
+        "disk for agents' cache files, per model, in MiB; least recently used deleted first (0: no limit)",
+    ),
     ("--block-size", "cache.block_size", "tokens per KV block"),
     (
         "--kv-bits",

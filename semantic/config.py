@@ -54,6 +54,7 @@ class ModelSection(_Section):
 class CacheSection(_Section):
     dir: str | None = None  # None: $XDG_CACHE_HOME/semantic
     budget_mb: PositiveInt = 4096
+    disk_budget_mb: Annotated[int, Meta(ge=0)] = 20480  # agents' cache files, per model; 0: no limit
     block_size: Annotated[int, Meta(ge=16, le=4096)] = 256
     kv_bits: Literal[4, 8] | None = None
     idle_kv_bits: Literal[4, 8] | None = None

@@ -10,10 +10,9 @@ cannot be used are moved to `quarantine/` with a log line.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +20,20 @@ from loguru import logger
 
 from semantic.actors.agent_id import AgentId, InvalidAgentIdError
 from semantic.engine.cache_tensors import SerializedCache
+from semantic.storage.agents_folder import (
+    CONVERSATION_SUFFIX,
+    SUFFIX,
+    DiskEntry,
+    move_aside,
+    scan_folder,
+    touch,
+    unlink,
+    write_and_measure,
+)
 from semantic.storage.cache_file import (
     CacheFileError,
     CacheIdentity,
     read_cache_file,
-    read_num_tokens,
-    write_cache_file,
 )
 from semantic.storage.conversation_file import (
     ConversationFileError,
@@ -34,6 +41,7 @@ from semantic.storage.conversation_file import (
     read_conversation,
     write_conversation,
 )
+from semantic.storage.disk_budget import DiskBudget
 from semantic.storage.persistence_messages import (
     DeleteAgent,
     ListOnDisk,
@@ -46,26 +54,17 @@ from semantic.storage.persistence_messages import (
     StopPersistence,
 )
 
-SUFFIX = ".safetensors"
-CONVERSATION_SUFFIX = ".conversation.json"
-
 
 class PersistenceStoppedError(RuntimeError):
     pass
 
 
-@dataclass(slots=True)
-class DiskEntry:
-    """What the agents' folder holds for one agent."""
-
-    num_cached_tokens: int = 0  # 0 when there is no cache file
-    has_cache: bool = False
-    has_conversation: bool = False
-
-
 class PersistenceActor:
-    def __init__(self, cache_dir: Path, identity: CacheIdentity) -> None:
+    def __init__(
+        self, cache_dir: Path, identity: CacheIdentity, disk_budget_bytes: int | None = None
+    ) -> None:
         self.identity = identity
+        self.disk_budget = DiskBudget(disk_budget_bytes)  # owned by the actor's task, as the index
         self.agents_dir = (cache_dir / "agents" / identity.fingerprint[:16]).resolve()
         self.quarantine_dir = (cache_dir / "quarantine").resolve()
         self._mailbox: asyncio.Queue[tuple[PersistenceMessage, asyncio.Future[Any]]] = asyncio.Queue()
@@ -75,13 +74,15 @@ class PersistenceActor:
         self.num_writes = 0
         self.num_loads = 0
         self.num_quarantined = 0
+        self.num_disk_evictions = 0
         self.last_write_s = 0.0
         self.write_seconds_total = 0.0
 
     # ---- the asking side ----
 
     async def start(self) -> None:
-        self._index = await self._io(self._scan)
+        self._index, self.disk_budget.files = await self._io(scan_folder, self.agents_dir)
+        await self._keep_within_budget()  # the budget may be smaller than last time
         self._task = asyncio.get_running_loop().create_task(self._run(), name="semantic-persistence")
 
     async def stop(self) -> None:
@@ -176,7 +177,8 @@ class PersistenceActor:
                 return await self._load(agent_id)
             case DeleteAgent(agent_id=agent_id):
                 self._index.pop(agent_id, None)
-                await self._io(_unlink, self.path_for(agent_id), self.conversation_path_for(agent_id))
+                self.disk_budget.forget(agent_id)
+                await self._io(unlink, self.path_for(agent_id), self.conversation_path_for(agent_id))
                 return None
             case SaveConversation(agent_id=agent_id, record=record):
                 await self._io(write_conversation, self.conversation_path_for(agent_id), record)
@@ -197,9 +199,17 @@ class PersistenceActor:
 
     async def _save(self, cache: SerializedCache) -> AgentId | None:
         agent_id = AgentId(cache.agent_id)
+        num_bytes = sum(tensor.nbytes for tensor in cache.tensors.values())
+        if not self.disk_budget.fits(num_bytes):
+            logger.warning(
+                "not writing the cache of agent {} ({:.0f} MiB): larger than the disk budget",
+                agent_id,
+                num_bytes / 2**20,
+            )
+            return None
         start = time.perf_counter()
         try:
-            await self._io(write_cache_file, self.path_for(agent_id), cache, self.identity)
+            num_bytes = await self._io(write_and_measure, self.path_for(agent_id), cache, self.identity)
         except OSError as error:
             logger.error("could not write the cache of agent {}: {}", agent_id, error)
             return None
@@ -209,7 +219,29 @@ class PersistenceActor:
         self.num_writes += 1
         self.last_write_s = seconds
         self.write_seconds_total += seconds
+        self.disk_budget.note(agent_id, num_bytes, time.time())
+        await self._keep_within_budget(keep=agent_id)
         return agent_id
+
+    async def _keep_within_budget(self, keep: AgentId | None = None) -> None:
+        """Delete the cache files used longest ago until the folder's are within the disk budget."""
+        for agent_id in self.disk_budget.over(keep):
+            use = self.disk_budget.files[agent_id]
+            logger.info(
+                "deleting the cache file of agent {} ({:.0f} MiB, last used {:.0f} s ago): over the "
+                "disk budget; its next turn computes it again",
+                agent_id,
+                use.num_bytes / 2**20,
+                time.time() - use.last_used,
+            )
+            await self._io(unlink, self.path_for(agent_id))
+            self.disk_budget.forget(agent_id)
+            self.num_disk_evictions += 1
+            entry = self._index.get(agent_id)
+            if entry is not None:
+                entry.has_cache, entry.num_cached_tokens = False, 0
+                if not entry.has_conversation:
+                    del self._index[agent_id]
 
     async def _load(self, agent_id: AgentId) -> SerializedCache | None:
         entry = self._index.get(agent_id)
@@ -223,8 +255,11 @@ class PersistenceActor:
             return None
         except FileNotFoundError:
             entry.has_cache, entry.num_cached_tokens = False, 0
+            self.disk_budget.forget(agent_id)
             return None
         self.num_loads += 1
+        self.disk_budget.touch(agent_id, time.time())
+        await self._io(touch, path)  # its recency survives a restart
         return cache
 
     async def _load_conversation(self, agent_id: AgentId) -> ConversationRecord | None:
@@ -246,48 +281,8 @@ class PersistenceActor:
                 entry.has_conversation = False
             else:
                 entry.has_cache, entry.num_cached_tokens = False, 0
+                self.disk_budget.forget(agent_id)
             if not (entry.has_cache or entry.has_conversation):
                 del self._index[agent_id]
         if await self._io(move_aside, path, self.quarantine_dir):
             self.num_quarantined += 1
-
-    def _scan(self) -> dict[AgentId, DiskEntry]:
-        """Worker thread, at start: index the folder and remove temp files a crash left behind."""
-        index: dict[AgentId, DiskEntry] = {}
-        if not self.agents_dir.exists():
-            return index
-        for path in self.agents_dir.iterdir():
-            name = path.name
-            if name.startswith(".") and name.endswith(".tmp"):
-                logger.info("removing {}, left by an interrupted write", name)
-                path.unlink(missing_ok=True)
-                continue
-            for suffix in (SUFFIX, CONVERSATION_SUFFIX):
-                if not name.endswith(suffix):
-                    continue
-                try:
-                    agent_id = AgentId(name.removesuffix(suffix))
-                except InvalidAgentIdError:
-                    break
-                entry = index.setdefault(agent_id, DiskEntry())
-                if suffix == SUFFIX:
-                    entry.has_cache, entry.num_cached_tokens = True, read_num_tokens(path)
-                else:
-                    entry.has_conversation = True
-                break
-        return index
-
-
-def _unlink(*paths: Path) -> None:
-    for path in paths:
-        path.unlink(missing_ok=True)
-
-
-def move_aside(path: Path, quarantine_dir: Path) -> bool:
-    quarantine_dir.mkdir(parents=True, exist_ok=True)
-    target = quarantine_dir / f"{path.name}.{int(time.time() * 1000)}"
-    try:
-        os.replace(path, target)
-    except FileNotFoundError:
-        return False
-    return True

@@ -20,6 +20,7 @@ from semantic.actors.agent_id import AgentId
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.distributed import GroupLayout
 from semantic.engine.loading import LoadedModel
+from semantic.storage.agents_folder import SUFFIX, move_aside
 from semantic.storage.cache_file import (
     CacheFileError,
     CacheIdentity,
@@ -27,7 +28,6 @@ from semantic.storage.cache_file import (
     read_cache_file,
     write_cache_file,
 )
-from semantic.storage.persistence import SUFFIX, move_aside
 
 
 class ShardFiles:

@@ -1,0 +1,86 @@
+"""A model's folder of agents' files: what it holds, read at start, and the file operations the
+persistence actor's worker thread runs on it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loguru import logger
+
+from semantic.actors.agent_id import AgentId, InvalidAgentIdError
+from semantic.engine.cache_tensors import SerializedCache
+from semantic.storage.cache_file import CacheIdentity, read_num_tokens, write_cache_file
+from semantic.storage.disk_budget import CacheFileUse
+
+SUFFIX = ".safetensors"
+CONVERSATION_SUFFIX = ".conversation.json"
+
+
+@dataclass(slots=True)
+class DiskEntry:
+    """What the agents' folder holds for one agent."""
+
+    num_cached_tokens: int = 0  # 0 when there is no cache file
+    has_cache: bool = False
+    has_conversation: bool = False
+
+
+def scan_folder(agents_dir: Path) -> tuple[dict[AgentId, DiskEntry], dict[AgentId, CacheFileUse]]:
+    """Worker thread, at start: index the folder (and its cache files' sizes and last uses) and
+    remove temp files a crash left behind."""
+    index: dict[AgentId, DiskEntry] = {}
+    uses: dict[AgentId, CacheFileUse] = {}
+    if not agents_dir.exists():
+        return index, uses
+    for path in agents_dir.iterdir():
+        name = path.name
+        if name.startswith(".") and name.endswith(".tmp"):
+            logger.info("removing {}, left by an interrupted write", name)
+            path.unlink(missing_ok=True)
+            continue
+        for suffix in (SUFFIX, CONVERSATION_SUFFIX):
+            if not name.endswith(suffix):
+                continue
+            try:
+                agent_id = AgentId(name.removesuffix(suffix))
+            except InvalidAgentIdError:
+                break
+            entry = index.setdefault(agent_id, DiskEntry())
+            if suffix == SUFFIX:
+                entry.has_cache, entry.num_cached_tokens = True, read_num_tokens(path)
+                stat = path.stat()
+                uses[agent_id] = CacheFileUse(stat.st_size, stat.st_mtime)
+            else:
+                entry.has_conversation = True
+            break
+    return index, uses
+
+
+def write_and_measure(path: Path, cache: SerializedCache, identity: CacheIdentity) -> int:
+    """Write an agent's cache file; returns its size."""
+    write_cache_file(path, cache, identity)
+    return path.stat().st_size
+
+
+def touch(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.utime(path)
+
+
+def unlink(*paths: Path) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def move_aside(path: Path, quarantine_dir: Path) -> bool:
+    quarantine_dir.mkdir(parents=True, exist_ok=True)
+    target = quarantine_dir / f"{path.name}.{int(time.time() * 1000)}"
+    try:
+        os.replace(path, target)
+    except FileNotFoundError:
+        return False
+    return True
