@@ -36,7 +36,7 @@ from semantic.engine.running import RunningSequences
 from semantic.engine.sampling import make_processors, make_sampler
 from semantic.engine.sequence import Sequence, SetAside
 from semantic.engine.text_stream import TextStream
-from semantic.engine.token_logprobs import TokenTexts, token_logprob
+from semantic.engine.token_logprobs import TokenTexts
 
 
 class Batch:
@@ -228,8 +228,7 @@ class Batch:
             mlx_seams.num_prompt_tokens_processed(generator) - prefilled_before,
         )
         self._stats.num_steps += 1
-        ended_prompts = self._read_prompt_progress(prompt_responses)
-        self.running.prompts_prefilled(ended_prompts)
+        ended_prompts = self.running.read_prompt_progress(prompt_responses)
         ending = self._read_tokens(generation_responses)
         if self._takes_first_tokens_early and ended_prompts:
             for uid, (token, logprobs) in mlx_seams.first_tokens(generator, ended_prompts).items():
@@ -240,20 +239,6 @@ class Batch:
                     ending[uid] = reason
         if ending:
             self._end(ending)
-
-    def _read_prompt_progress(self, prompt_responses: list[Any]) -> list[int]:
-        """Note each prefilling prompt's progress; returns the uids of those whose prompts ended."""
-        ended_prompts = []
-        for progress in prompt_responses:
-            prefilling = self.running.get(progress.uid)
-            if prefilling is None:
-                continue
-            if progress.end_of_prompt:
-                prefilling.is_prefilling = False
-                ended_prompts.append(progress.uid)
-            else:
-                prefilling.prefilled(*progress.progress)
-        return ended_prompts
 
     def _read_tokens(self, generation_responses: list[Any]) -> dict[int, FinishReason]:
         """Take each decoding sequence's token; returns the sequences that end with it."""
@@ -276,8 +261,7 @@ class Batch:
         return ending
 
     def _take_token(self, running: Sequence, token: int, logprobs: mx.array) -> None:
-        top = running.request.sampling.top_logprobs
-        running.take_token(token, None if top is None else token_logprob(logprobs, token, top, self._texts))
+        running.take_token(token, logprobs, self._texts)
         self.token_digest = next_digest(self.token_digest, token)
         self._stats.num_generated_tokens += 1
 

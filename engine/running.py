@@ -49,8 +49,21 @@ class RunningSequences:
         """Take a sequence out without ending it (its prefill set aside, to be inserted again)."""
         return self._by_uid.pop(uid)
 
-    def prompts_prefilled(self, uids: list[int]) -> None:
-        self._keeper.prompts_prefilled(uids)
+    def read_prompt_progress(self, prompt_responses: list[Any]) -> list[int]:
+        """Note each prefilling prompt's progress (mlx-lm's reports of a step); returns the uids of
+        those whose prompts ended, whose blocks are then shared."""
+        ended_prompts = []
+        for progress in prompt_responses:
+            prefilling = self._by_uid.get(progress.uid)
+            if prefilling is None:
+                continue
+            if progress.end_of_prompt:
+                prefilling.is_prefilling = False
+                ended_prompts.append(progress.uid)
+            else:
+                prefilling.prefilled(*progress.progress)
+        self._keeper.prompts_prefilled(ended_prompts)
+        return ended_prompts
 
     def finish(self, uid: int, reason: FinishReason, cache: tuple[Any, Any] | None = None) -> None:
         """End a sequence the generator no longer holds and post its last events; its cache (layer

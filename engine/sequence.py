@@ -15,7 +15,7 @@ from semantic.engine.messages import (
     TokenDelta,
 )
 from semantic.engine.text_stream import TextStream
-from semantic.engine.token_logprobs import TokenLogprob
+from semantic.engine.token_logprobs import TokenLogprob, TokenTexts, token_logprob
 
 
 @dataclass(slots=True)
@@ -46,12 +46,20 @@ class Sequence:
         self.num_left_to_prefill = total - done
         self.outbox.append(PromptProgress(done + self.prefill_offset, total + self.prefill_offset))
 
-    def take_token(self, token: int, logprob: TokenLogprob | None = None) -> None:
-        """Take the next token, with its log-probability where the request asks (an end token, which
-        is not part of the reply's text, comes without)."""
+    def take_token(self, token: int, logprobs: Any = None, texts: TokenTexts | None = None) -> None:
+        """Take the next token; with the step's log-probabilities (and the tokens' texts), its entry
+        where the request asks (an end token, which is not part of the reply's text, has none)."""
         self.generated_token_ids.append(token)
-        shown = [logprob] if logprob is not None and not self.text.is_end_token(token) else []
-        self.outbox.append(TokenDelta([token], self.text.add_token(token), shown))
+        num_top = self.request.sampling.top_logprobs
+        entries: list[TokenLogprob] = []
+        if (
+            num_top is not None
+            and logprobs is not None
+            and texts is not None
+            and not self.text.is_end_token(token)
+        ):
+            entries.append(token_logprob(logprobs, token, num_top, texts))
+        self.outbox.append(TokenDelta([token], self.text.add_token(token), entries))
 
     def end_reason(self) -> FinishReason | None:
         """Why the sequence ends with the token it just took, if it does."""
