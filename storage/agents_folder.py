@@ -18,6 +18,7 @@ from semantic.storage.disk_budget import CacheFileUse
 
 SUFFIX = ".safetensors"
 CONVERSATION_SUFFIX = ".conversation.json"
+MAX_QUARANTINED = 64  # files kept in quarantine/, newest first
 
 
 @dataclass(slots=True)
@@ -76,11 +77,24 @@ def unlink(*paths: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def _quarantined_at(path: Path) -> int:
+    """When a file was moved aside: the number its name ends with (nanoseconds; milliseconds in
+    older names, which sort before)."""
+    suffix = path.name.rpartition(".")[2]
+    return int(suffix) if suffix.isdigit() else 0
+
+
 def move_aside(path: Path, quarantine_dir: Path) -> bool:
+    """Move a file that cannot be used into `quarantine_dir` (for a person to look at), which keeps
+    the newest MAX_QUARANTINED: a disk that keeps damaging files must not fill up with them."""
     quarantine_dir.mkdir(parents=True, exist_ok=True)
-    target = quarantine_dir / f"{path.name}.{int(time.time() * 1000)}"
+    target = quarantine_dir / f"{path.name}.{time.time_ns()}"
     try:
         os.replace(path, target)
     except FileNotFoundError:
         return False
+    kept = sorted(quarantine_dir.iterdir(), key=_quarantined_at, reverse=True)
+    for old in kept[MAX_QUARANTINED:]:
+        logger.info("removing {} from the quarantine, which keeps the newest {}", old.name, MAX_QUARANTINED)
+        old.unlink(missing_ok=True)
     return True

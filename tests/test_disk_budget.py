@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from semantic.actors.agent_id import AgentId
 from semantic.engine.cache_tensors import SerializedCache
+from semantic.storage.agents_folder import MAX_QUARANTINED, move_aside
 from semantic.storage.conversation_file import ConversationRecord
 from semantic.storage.disk_budget import CacheFileUse, DiskBudget
 from semantic.storage.persistence import PersistenceActor
@@ -109,3 +110,14 @@ def test_no_budget_keeps_every_file(tmp_path: Path) -> None:
 
     assert asyncio.run(run()) == 5
     assert len(list(tmp_path.rglob("*.safetensors"))) == 5
+
+
+def test_the_quarantine_keeps_the_newest_files(tmp_path: Path) -> None:
+    quarantine = tmp_path / "quarantine"
+    for i in range(MAX_QUARANTINED + 5):
+        bad = tmp_path / f"agent-{i}.safetensors"
+        bad.write_bytes(b"not a cache")
+        assert move_aside(bad, quarantine)
+    left = sorted(int(p.name.split(".")[0].removeprefix("agent-")) for p in quarantine.iterdir())
+    assert left == list(range(5, MAX_QUARANTINED + 5))  # the five moved first are gone
+    assert not move_aside(tmp_path / "missing.safetensors", quarantine)
