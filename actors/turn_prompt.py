@@ -32,10 +32,10 @@ async def build_request(
     """The prompt (continuing `conversation` when the agent keeps one) and its engine request; raises
     PromptLimitError past `max_prompt_tokens` after handing the tokenizer's memory back."""
     chat, loaded = session.chat, session.loaded
-    turn.sampling.check_token_ids(loaded.num_logits)
+    turn.sampling.check_token_ids(loaded.num_token_ids)
     ids = turn.prompt_token_ids
-    if ids and not 0 <= min(ids) <= max(ids) < loaded.num_logits:
-        raise ValueError(f"prompt: the model's token ids are 0 to {loaded.num_logits - 1}")
+    if ids and not 0 <= min(ids) <= max(ids) < loaded.num_token_ids:
+        raise ValueError(f"prompt: the model's token ids are 0 to {loaded.num_token_ids - 1}")
     bound = PromptBound(loaded.max_chars_per_token, loaded.context_length, max_prompt_tokens)
     if conversation is not None:
         history, system = conversation.token_ids, conversation.system

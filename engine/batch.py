@@ -35,7 +35,7 @@ from semantic.engine.prefill_budget import PrefillBudget, per_prompt_chunk
 from semantic.engine.running import RunningSequences
 from semantic.engine.sampling import make_processors, make_sampler
 from semantic.engine.sequence import Sequence, SetAside
-from semantic.engine.text_stream import TextStream
+from semantic.engine.text_stream import TextStream, text_before
 from semantic.engine.token_logprobs import TokenTexts
 
 
@@ -109,17 +109,14 @@ class Batch:
             if request.cache_tier_hint and prepared.num_cached_tokens:
                 prepared.tier = request.cache_tier_hint
             sampler = make_sampler(request.sampling, self._loaded.vocab_size)
-            processors = make_processors(request.sampling, self._loaded.num_logits)
+            processors = make_processors(request.sampling, self._loaded.num_token_ids)
             processors += [request.grammar] if request.grammar is not None else []  # the mask last
+            text = self._text_stream(request)
             uid = self._insert(request, prepared.num_cached_tokens, prepared.caches, sampler, processors)
         except BaseException:
             self._pool.free(reserved)
             raise
         store.pin(agent_id)
-        follows = request.prompt_tokens[-1] if request.continues_text else None
-        text = TextStream(
-            self._loaded.tokenizer.detokenizer, request.sampling.stop, self._loaded.eos_token_ids, follows
-        )
         sequence = Sequence(
             request,
             submit.events,
@@ -138,6 +135,12 @@ class Batch:
             submit.events,
             PromptStarted(len(request.prompt_tokens), prepared.num_cached_tokens, prepared.tier),
         )
+
+    def _text_stream(self, request: GenerationRequest) -> TextStream:
+        """How the reply's tokens become text; one that continues the prompt's text reads its end."""
+        tokenizer = self._loaded.tokenizer
+        follows = text_before(request.prompt_tokens, tokenizer.decode) if request.continues_text else []
+        return TextStream(tokenizer.detokenizer, request.sampling.stop, self._loaded.eos_token_ids, follows)
 
     def _insert(
         self,

@@ -44,10 +44,12 @@ class LoadedModel:
         return int(self.tokenizer.vocab_size)
 
     @property
-    def num_logits(self) -> int:
-        """How many token ids the model scores (its embedding's rows: added tokens included)."""
+    def num_token_ids(self) -> int:
+        """How many token ids a request may name: those the model scores (its embedding's rows) and
+        the tokenizer can write (added tokens included; a padded embedding has rows past them)."""
         args = getattr(self.model, "args", None)
-        return int(getattr(args, "vocab_size", 0) or len(self.tokenizer))
+        num_logits = int(getattr(args, "vocab_size", 0) or len(self.tokenizer))
+        return min(num_logits, len(self.tokenizer))
 
 
 def is_default_model(source: str) -> bool:

@@ -14,7 +14,7 @@ Sampler = Callable[[mx.array], mx.array]
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_LOGIT_BIASES = 300  # OpenAI's limit
-PENALTY_CONTEXT = 20  # the generated tokens penalties look back over (mlx-lm's default)
+PENALTY_CONTEXT = 20  # the tokens penalties look back over (mlx-lm's default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,8 @@ class SamplingParams:
     seed: int | None = None
     top_logprobs: int | None = None  # None: no log-probabilities; else each token's and this many more
     min_p: float = 0.0
-    # Over the last PENALTY_CONTEXT tokens (mlx-lm's): additive (OpenAI's two) and multiplicative.
+    # Over the last PENALTY_CONTEXT tokens of prompt and reply (mlx-lm's): additive (OpenAI's two)
+    # and multiplicative.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -60,7 +61,7 @@ class SamplingParams:
         _check_range("min_p", self.min_p, 0.0, 1.0)
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_range("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.01, 10.0)
         if len(self.logit_bias) > MAX_LOGIT_BIASES:
             raise ValueError(
                 f"logit_bias takes at most {MAX_LOGIT_BIASES} tokens, got {len(self.logit_bias)}"
@@ -73,10 +74,10 @@ class SamplingParams:
                 f"stop takes at most {MAX_STOP_STRINGS} non-empty strings, got {list(self.stop)}"
             )
 
-    def check_token_ids(self, num_logits: int) -> None:
+    def check_token_ids(self, num_token_ids: int) -> None:
         """Raises ValueError where `logit_bias` names a token the model does not have."""
-        if any(token_id >= num_logits for token_id, _ in self.logit_bias):
-            raise ValueError(f"logit_bias: the model's token ids are below {num_logits}")
+        if any(token_id >= num_token_ids for token_id, _ in self.logit_bias):
+            raise ValueError(f"logit_bias: the model's token ids are below {num_token_ids}")
 
     @property
     def is_greedy(self) -> bool:
@@ -92,9 +93,9 @@ class SamplingParams:
         )
 
 
-def _check_range(name: str, value: float, low: float, high: float, low_open: bool = False) -> None:
-    if not (low < value if low_open else low <= value) or value > high:
-        raise ValueError(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value}")
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value}")
 
 
 def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
@@ -124,9 +125,9 @@ def make_sampler(params: SamplingParams, vocab_size: int) -> Sampler | None:
     return sample
 
 
-def make_processors(params: SamplingParams, num_logits: int) -> list[Any]:
+def make_processors(params: SamplingParams, num_token_ids: int) -> list[Any]:
     """mlx-lm's logits processors for the request's logit bias and penalties (none for most)."""
-    params.check_token_ids(num_logits)
+    params.check_token_ids(num_token_ids)
     return make_logits_processors(
         dict(params.logit_bias) or None,
         params.repetition_penalty if params.repetition_penalty != 1.0 else None,

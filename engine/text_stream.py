@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 
@@ -12,14 +12,15 @@ class TextStream:
         detokenizer: Any,
         stop: tuple[str, ...],
         eos_token_ids: Collection[int],
-        follows_token: int | None = None,
+        follows_tokens: Sequence[int] = (),
     ) -> None:
-        """`follows_token`: the prompt's last token, where the reply continues its text (a prefilled
-        reply, a raw completion): read first and not shown, so that the reply's first token keeps
-        the space it starts with (mlx-lm's detokenizers drop it at the start of a text)."""
+        """`follows_tokens`: the prompt's last tokens, where the reply continues its text (a prefilled
+        reply, a raw completion; `text_before`): read first and not shown, so that the reply's first
+        token keeps the space it starts with (mlx-lm's detokenizers drop it at the start of a text)."""
         self._detokenizer = detokenizer
-        if follows_token is not None:
-            detokenizer.add_token(follows_token)
+        for token in follows_tokens:
+            detokenizer.add_token(token)
+        if follows_tokens:
             _ = detokenizer.last_segment
         self._stop = stop
         self._eos_token_ids = eos_token_ids
@@ -30,7 +31,10 @@ class TextStream:
         """Feed one generated token; return the text that is now safe to show."""
         if self.stop_hit is not None or self.is_end_token(token):
             return ""
-        self._detokenizer.add_token(token)
+        try:
+            self._detokenizer.add_token(token)
+        except IndexError:  # a padded embedding's row past the tokenizer's ids: no text to show
+            return ""
         self._pending += self._detokenizer.last_segment
         return self._release()
 
@@ -61,6 +65,17 @@ class TextStream:
         cut = len(self._pending) - hold
         text, self._pending = self._pending[:cut], self._pending[cut:]
         return text
+
+
+def text_before(prompt_tokens: list[int], decode: Callable[[list[int]], str], most: int = 4) -> list[int]:
+    """The fewest last prompt tokens (up to `most`) that decode to whole characters with something
+    besides spaces: what a reply continuing the prompt is read after (a lone last token can be the
+    tail of a split character, or a bare space an SPM tokenizer decodes to nothing)."""
+    for count in range(1, min(most, len(prompt_tokens)) + 1):
+        text = decode(prompt_tokens[-count:])
+        if text.strip() and not text.startswith("\ufffd"):
+            return prompt_tokens[-count:]
+    return prompt_tokens[-most:]
 
 
 def _overlap(text: str, stop: str) -> int:

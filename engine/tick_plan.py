@@ -61,6 +61,7 @@ class SubmitOp(msgspec.Struct, tag=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: list[tuple[int, float]] = msgspec.field(default_factory=list)
+    continues_text: bool = False  # the reply's text, and so where stop strings match, depends on it
 
 
 class CancelOp(msgspec.Struct, tag=True):
@@ -215,6 +216,7 @@ def _submit_op(request: GenerationRequest, queued_at: float) -> SubmitOp:
         frequency_penalty=sampling.frequency_penalty,
         repetition_penalty=sampling.repetition_penalty,
         logit_bias=list(sampling.logit_bias),
+        continues_text=request.continues_text,
     )
 
 
@@ -246,4 +248,5 @@ def request_of(op: SubmitOp) -> GenerationRequest:
         cache_tier_hint=op.cache_tier_hint,
         model_fingerprint=op.model_fingerprint,
         cache_salt=op.cache_salt,
+        continues_text=op.continues_text,
     )

@@ -8,18 +8,21 @@ mlx-lm's and vLLM's default). A token a grammar rules out has -inf and is never 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.tokenizer_utils import _byte_decoder
 
 
 @dataclass(frozen=True, slots=True)
 class TopLogprob:
     token_id: int
     text: str
+    raw: bytes  # the token's bytes (its text may end in a split character's replacement)
     logprob: float
 
 
@@ -27,19 +30,50 @@ class TopLogprob:
 class TokenLogprob:
     token_id: int
     text: str
+    raw: bytes
     logprob: float
     top: tuple[TopLogprob, ...]  # most likely first, `top_logprobs` of them
 
 
+@dataclass(frozen=True, slots=True)
+class TokenText:
+    text: str
+    raw: bytes
+
+
 class TokenTexts:
-    """Each token's own text, decoded alone (a token that ends inside a UTF-8 character decodes to
-    the replacement character, which is why the protocols also give a token's bytes)."""
+    """Each token's text as it reads inside a text: decoded after a fixed anchor token, since some
+    tokenizers (SentencePiece) drop a token's leading space at the start of a text. A token that
+    ends inside a UTF-8 character reads as the replacement character; its bytes then come from the
+    vocabulary's own piece (SentencePiece's <0xNN>, or byte-level BPE's byte map)."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self._text = lru_cache(maxsize=65536)(lambda token_id: str(tokenizer.decode([token_id])))
+        self._tokenizer = tokenizer
+        self._anchor = list(tokenizer.encode("a", add_special_tokens=False))[-1:]
+        self._anchor_text = str(tokenizer.decode(self._anchor))
+        self._read = lru_cache(maxsize=65536)(self._text_of)
 
-    def __call__(self, token_id: int) -> str:
-        return self._text(token_id)
+    def __call__(self, token_id: int) -> TokenText:
+        return self._read(token_id)
+
+    def _text_of(self, token_id: int) -> TokenText:
+        text = str(self._tokenizer.decode([*self._anchor, token_id]))
+        if self._anchor and text.startswith(self._anchor_text):
+            text = text[len(self._anchor_text) :]
+        else:
+            text = str(self._tokenizer.decode([token_id]))
+        raw = _piece_bytes(self._tokenizer, token_id) if "\ufffd" in text else None
+        return TokenText(text, raw if raw is not None else text.encode())
+
+
+def _piece_bytes(tokenizer: Any, token_id: int) -> bytes | None:
+    piece = str(tokenizer.convert_ids_to_tokens(token_id))
+    if (byte := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)) is not None:
+        return bytes([int(byte.group(1), 16)])
+    byte_map = _byte_decoder()
+    if piece and all(char in byte_map for char in piece):
+        return bytes(byte_map[char] for char in piece)
+    return None
 
 
 def token_logprob(logprobs: mx.array, token_id: int, num_top: int, texts: TokenTexts) -> TokenLogprob:
@@ -48,11 +82,12 @@ def token_logprob(logprobs: mx.array, token_id: int, num_top: int, texts: TokenT
     Read on the CPU stream: on a GPU the default stream has the next step queued by now, and work
     put behind it would wait for that step."""
     row = np.array(logprobs.reshape(-1, stream=mx.cpu).astype(mx.float32, stream=mx.cpu))
-    top: tuple[TopLogprob, ...] = ()
+    top: list[TopLogprob] = []
     if num_top > 0:
         candidates = np.argpartition(-row, num_top - 1)[:num_top]
-        ranked = candidates[np.argsort(-row[candidates], kind="stable")]
-        top = tuple(
-            TopLogprob(int(i), texts(int(i)), float(row[i])) for i in ranked if not math.isinf(row[i])
-        )
-    return TokenLogprob(token_id, texts(token_id), float(row[token_id]), top)
+        for i in candidates[np.argsort(-row[candidates], kind="stable")]:
+            if not math.isinf(row[i]):
+                text = texts(int(i))
+                top.append(TopLogprob(int(i), text.text, text.raw, float(row[i])))
+    chosen = texts(token_id)
+    return TokenLogprob(token_id, chosen.text, chosen.raw, float(row[token_id]), tuple(top))

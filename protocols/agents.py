@@ -53,10 +53,10 @@ class AgentTurn(msgspec.Struct):
     top_k: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
     seed: int | None = None
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: float | None = None  # these four: null or left out, no effect
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     model: str | None = None  # a configured model to switch to first; None: the loaded one
     cache_salt: CacheSalt | None = None  # only turns with the same salt share prefix blocks
 

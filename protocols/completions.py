@@ -46,17 +46,17 @@ class CompletionRequest(msgspec.Struct):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    min_p: float = 0.0
+    min_p: float | None = None  # null, as OpenAI allows in most fields: the default
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: int | None = None  # how many alternatives each token's log-probability comes with
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
-    n: int = 1
+    n: int | None = None
     best_of: int | None = None
     session_id: str | None = None
     stream_options: StreamOptions | None = None
@@ -79,12 +79,12 @@ class CompletionChoice(msgspec.Struct):
     finish_reason: str | None
 
 
-class Completion(msgspec.Struct, omit_defaults=True):
+class Completion(msgspec.Struct):
     id: str
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET  # streamed: only in the usage chunk
     object: Literal["text_completion"] = "text_completion"
 
 
@@ -92,7 +92,7 @@ decode_request = msgspec.json.Decoder(CompletionRequest).decode
 
 
 def to_turn(request: web.Request, body: CompletionRequest) -> TurnRequest:
-    if body.n != 1 or (body.best_of or 1) != 1:
+    if body.n not in (None, 1) or body.best_of not in (None, 1):
         raise ApiError("n and best_of must be 1")
     if body.echo:
         raise ApiError("echo is not supported: the prompt's own log-probabilities are not computed")
@@ -205,7 +205,8 @@ class CompletionStream(OpenAIStream[str, CompletionChoice]):
         return CompletionChoice(piece, 0, logprobs, finish_reason)
 
     def chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
-        return Completion(self.completion_id, self.created, self.started.model_name, choices, usage)
+        model = self.started.model_name
+        return Completion(self.completion_id, self.created, model, choices, usage or msgspec.UNSET)
 
 
 def add_routes(app: web.Application) -> None:

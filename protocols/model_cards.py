@@ -56,4 +56,4 @@ async def get_model(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model_id}", get_model)
+    app.router.add_get("/v1/models/{model_id:.+}", get_model)  # a hub id has a "/"

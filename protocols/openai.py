@@ -59,7 +59,7 @@ PING_FRAME = b": ping\n\n"
 
 
 def to_turn(request: web.Request, body: ChatCompletionRequest) -> TurnRequest:
-    if body.n != 1:
+    if body.n not in (None, 1):
         raise ApiError(f"n={body.n} is not supported; only n=1")
     if not body.messages:
         raise ApiError("messages must not be empty")
@@ -102,7 +102,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     def reply(started: TurnStarted, sse: SseWriter | None) -> TurnReply:
         if sse is None:
-            return CompletionReply(started, turn.request_id, body.logprobs)
+            return CompletionReply(started, turn.request_id, bool(body.logprobs))
         return ChatCompletionStream(started, turn.request_id, sse, include_usage)
 
     return await answer_turn(request, turn, body.stream, reply, PING_FRAME)
@@ -188,7 +188,8 @@ class ChatCompletionStream(OpenAIStream[Delta, ChunkChoice]):
         return ChunkChoice(0, piece, finish_reason, wire_logprobs(tokens) if tokens else None)
 
     def chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(self.completion_id, self.created, self.started.model_name, choices, usage)
+        model = self.started.model_name
+        return ChatCompletionChunk(self.completion_id, self.created, model, choices, usage or msgspec.UNSET)
 
 
 def add_routes(app: web.Application) -> None:

@@ -89,12 +89,12 @@ class ChunkChoice(msgspec.Struct):
     logprobs: ChoiceLogprobs | None = None
 
 
-class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+class ChatCompletionChunk(msgspec.Struct):
     id: str
     created: int
     model: str
     choices: list[ChunkChoice]
-    usage: Usage | None = None
+    usage: Usage | msgspec.UnsetType = msgspec.UNSET  # only in the usage chunk
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
 
 
@@ -111,13 +111,14 @@ LOWEST_LOGPROB = -9999.0  # what OpenAI sends for a token the model ruled out; J
 
 
 def wire_logprobs(tokens: list[EngineTokenLogprob]) -> ChoiceLogprobs:
-    def entry(text: str, logprob: float) -> tuple[str, float, list[int]]:
-        return text, max(logprob, LOWEST_LOGPROB), list(text.encode("utf-8", errors="replace"))
+    def entry(text: str, raw: bytes, logprob: float) -> tuple[str, float, list[int]]:
+        return text, max(logprob, LOWEST_LOGPROB), list(raw)
 
     return ChoiceLogprobs(
         [
             TokenLogprob(
-                *entry(token.text, token.logprob), [TopLogprob(*entry(t.text, t.logprob)) for t in token.top]
+                *entry(token.text, token.raw, token.logprob),
+                [TopLogprob(*entry(t.text, t.raw, t.logprob)) for t in token.top],
             )
             for token in tokens
         ]

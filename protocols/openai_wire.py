@@ -84,7 +84,7 @@ class ChatCompletionRequest(msgspec.Struct):
     top_k: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    n: int = 1
+    n: int | None = None  # 1 (null: 1); more is refused
     session_id: str | None = None
     stream_options: StreamOptions | None = None
     tools: list[ToolSpec] | None = None
@@ -93,13 +93,13 @@ class ChatCompletionRequest(msgspec.Struct):
     continue_final_message: bool = False
     response_format: ResponseFormat | None = None
     cache_salt: CacheSalt | None = None  # vLLM's: only requests with the same salt share prefix blocks
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None  # null, as OpenAI allows in each: the default
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string key): added to its logit
-    repetition_penalty: float = 1.0  # vLLM's and mlx_lm.server's extension, as is min_p
-    min_p: float = 0.0
+    repetition_penalty: float | None = None  # vLLM's and mlx_lm.server's extension, as is min_p
+    min_p: float | None = None
 
 
 def _text_of(message: ChatMessage) -> str:

@@ -83,7 +83,7 @@ SAMPLING_RANGES: dict[str, dict[str, Any]] = {
     "min_p": {"minimum": 0, "maximum": 1},
     "presence_penalty": {"minimum": -2, "maximum": 2},
     "frequency_penalty": {"minimum": -2, "maximum": 2},
-    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 10},
+    "repetition_penalty": {"minimum": 0.01, "maximum": 10},
 }
 
 

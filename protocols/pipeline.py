@@ -83,7 +83,7 @@ def sampling_params(
         max_tokens=model.default_max_tokens if max_tokens is None else max_tokens,
         stop=stop,
         seed=seed,
-        **options,
+        **{name: value for name, value in options.items() if value is not None},  # null: the default
     )
 
 

@@ -221,7 +221,7 @@ class PersistenceActor:
         self.write_seconds_total += seconds
         self.disk_budget.note(agent_id, num_bytes, time.time())
         await self._keep_within_budget(keep=agent_id)
-        return agent_id
+        return agent_id if agent_id in self.disk_budget.files else None  # alone over the budget: gone
 
     async def _keep_within_budget(self, keep: AgentId | None = None) -> None:
         """Delete the cache files used longest ago until the folder's are within the disk budget."""

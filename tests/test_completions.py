@@ -36,6 +36,7 @@ def test_text_and_token_prompts_are_continued_as_mlx_lm_continues_them(
         model="gpt-3.5-turbo-instruct", prompt=PROMPT, max_tokens=NUM_TOKENS, temperature=0, logprobs=2
     )
     (choice,) = reply.choices
+    assert reply.object == "text_completion"
     assert choice.text == tokenizer.decode(expected_ids) and choice.finish_reason == "length"
     assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt_ids)
     assert reply.usage.completion_tokens == NUM_TOKENS
@@ -63,6 +64,7 @@ def test_text_and_token_prompts_are_continued_as_mlx_lm_continues_them(
         )
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert all(c.object == "text_completion" for c in chunks)
     assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 3  # streamed as it comes
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == NUM_TOKENS

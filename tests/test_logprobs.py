@@ -61,6 +61,7 @@ def test_logprobs_match_mlx_lm_streamed_or_not(server, default_model_dir: Path) 
         assert entry.top_logprobs[0].logprob == entry.logprob  # greedy: the likeliest token is taken
 
     chunks = list(client.chat.completions.create(stream=True, logprobs=True, **options))  # type: ignore[call-overload]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
     streamed = [
         e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []
     ]

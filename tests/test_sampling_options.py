@@ -81,7 +81,7 @@ def test_min_p_of_one_samples_the_greedy_reply(server) -> None:  # type: ignore[
     [
         ({"presence_penalty": 3}, r"presence_penalty must be in \[-2, 2\], got 3"),
         ({"frequency_penalty": -2.5}, r"frequency_penalty must be in \[-2, 2\], got -2.5"),
-        ({"extra_body": {"repetition_penalty": 0}}, r"repetition_penalty must be in \(0, 10\], got 0"),
+        ({"extra_body": {"repetition_penalty": 0}}, r"repetition_penalty must be in \[0.01, 10\], got 0"),
         ({"extra_body": {"min_p": 1.5}}, r"min_p must be in \[0, 1\], got 1.5"),
         ({"logit_bias": {"abc": 1}}, r"logit_bias: keys are token ids \(integers\)"),
         ({"logit_bias": {"49152": 1}}, r"logit_bias: the model's token ids are below 49152"),

@@ -72,9 +72,9 @@ def test_a_plan_reaches_the_other_ranks_unchanged(
     assert tick_plan.decode(tick_plan.encode(plan)) == plan
 
 
-def _submit(sampling: SamplingParams, agent_id: str | None = "ada") -> Submit:
+def _submit(sampling: SamplingParams, agent_id: str | None = "ada", continues_text: bool = False) -> Submit:
     loop = asyncio.new_event_loop()
-    request = GenerationRequest("r1", [1, 2, 3], sampling, agent_id=agent_id)
+    request = GenerationRequest("r1", [1, 2, 3], sampling, agent_id=agent_id, continues_text=continues_text)
     return Submit(request, EventChannel(loop), queued_at=12.5)
 
 
@@ -91,7 +91,7 @@ def test_a_sampled_request_gets_one_seed_on_every_rank() -> None:
     assert isinstance(greedy_op, tick_plan.SubmitOp) and greedy_op.seed is None
 
 
-def test_penalties_and_logit_bias_reach_the_other_ranks() -> None:
+def test_penalties_logit_bias_and_continued_text_reach_the_other_ranks() -> None:
     sampling = SamplingParams(
         temperature=0.0,
         top_p=1.0,
@@ -103,12 +103,14 @@ def test_penalties_and_logit_bias_reach_the_other_ranks() -> None:
         logit_bias=((7, -100.0), (11, 2.5)),
         top_logprobs=3,  # rank 0's alone: the others send no events
     )
-    op = tick_plan.op_for(_submit(sampling))
+    op = tick_plan.op_for(_submit(sampling, continues_text=True))
     assert isinstance(op, tick_plan.SubmitOp)
     plan = tick_plan.decode(tick_plan.encode(tick_plan.TickPlan([op], None, config_dict(EngineConfig()))))
     (received,) = plan.ops
     assert isinstance(received, tick_plan.SubmitOp)
-    assert tick_plan.request_of(received).sampling == replace(sampling, top_logprobs=None)
+    request = tick_plan.request_of(received)
+    assert request.sampling == replace(sampling, top_logprobs=None)
+    assert request.continues_text  # where stop strings match depends on it: every rank must agree
 
 
 def test_only_what_changes_the_engine_is_shared() -> None:
