@@ -23,7 +23,7 @@ from semantic.protocols.errors import ApiError
 from semantic.protocols.openai import PING_FRAME
 from semantic.protocols.openai_reply import LOWEST_LOGPROB, Usage, usage_of
 from semantic.protocols.openai_stream import OpenAIStream
-from semantic.protocols.openai_wire import StreamOptions, token_biases
+from semantic.protocols.openai_wire import StreamOptions, sampling_options
 from semantic.protocols.pipeline import (
     CollectedReply,
     Logprobs,
@@ -110,12 +110,7 @@ def to_turn(request: web.Request, body: CompletionRequest) -> TurnRequest:
         seed=body.seed,
         max_tokens=body.max_tokens,
         stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
-        top_logprobs=body.logprobs,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-        min_p=body.min_p,
-        logit_bias=token_biases(body.logit_bias),
+        **sampling_options(body, body.logprobs),
     )
     text, token_ids = (body.prompt, None) if isinstance(body.prompt, str) else (None, body.prompt)
     return TurnRequest(

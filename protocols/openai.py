@@ -41,6 +41,7 @@ from semantic.protocols.openai_wire import (
     sampling_options,
     to_chat_messages,
     tool_choice,
+    top_logprobs,
 )
 from semantic.protocols.pipeline import (
     CollectedReply,
@@ -79,7 +80,7 @@ def to_turn(request: web.Request, body: ChatCompletionRequest) -> TurnRequest:
         seed=body.seed,
         max_tokens=max_tokens,
         stop=stop,
-        **sampling_options(body),
+        **sampling_options(body, top_logprobs(body)),
     )
     return TurnRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",

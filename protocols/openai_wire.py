@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -160,10 +160,20 @@ def output_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
     return form.json_schema.schema or {"type": "object"}
 
 
-def sampling_options(body: ChatCompletionRequest) -> dict[str, Any]:
+class OpenAISampling(Protocol):
+    """The sampling fields both OpenAI APIs (chat and text completions) have beyond every API's."""
+
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    repetition_penalty: float | None
+    min_p: float | None
+    logit_bias: dict[str, float] | None
+
+
+def sampling_options(body: OpenAISampling, num_top_logprobs: int | None) -> dict[str, Any]:
     """The SamplingParams fields beyond those every API has."""
     return {
-        "top_logprobs": top_logprobs(body),
+        "top_logprobs": num_top_logprobs,
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty,

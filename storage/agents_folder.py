@@ -13,7 +13,7 @@ from loguru import logger
 
 from semantic.actors.agent_id import AgentId, InvalidAgentIdError
 from semantic.engine.cache_tensors import SerializedCache
-from semantic.storage.cache_file import CacheIdentity, read_num_tokens, write_cache_file
+from semantic.storage.cache_file import CacheIdentity, read_cache_file, read_num_tokens, write_cache_file
 from semantic.storage.disk_budget import CacheFileUse
 
 SUFFIX = ".safetensors"
@@ -67,9 +67,13 @@ def write_and_measure(path: Path, cache: SerializedCache, identity: CacheIdentit
     return path.stat().st_size
 
 
-def touch(path: Path) -> None:
+def read_and_touch(path: Path, identity: CacheIdentity, agent_id: str) -> SerializedCache:
+    """Read an agent's cache file and mark it used now (its mtime), so that its recency survives a
+    restart of the disk budget's bookkeeping."""
+    cache = read_cache_file(path, identity, agent_id)
     with contextlib.suppress(FileNotFoundError):
         os.utime(path)
+    return cache
 
 
 def unlink(*paths: Path) -> None:

@@ -25,15 +25,14 @@ from semantic.storage.agents_folder import (
     SUFFIX,
     DiskEntry,
     move_aside,
+    read_and_touch,
     scan_folder,
-    touch,
     unlink,
     write_and_measure,
 )
 from semantic.storage.cache_file import (
     CacheFileError,
     CacheIdentity,
-    read_cache_file,
 )
 from semantic.storage.conversation_file import (
     ConversationFileError,
@@ -249,7 +248,7 @@ class PersistenceActor:
             return None
         path = self.path_for(agent_id)
         try:
-            cache: SerializedCache = await self._io(read_cache_file, path, self.identity, agent_id)
+            cache: SerializedCache = await self._io(read_and_touch, path, self.identity, agent_id)
         except CacheFileError as error:
             await self._quarantine(agent_id, path, str(error))
             return None
@@ -259,7 +258,6 @@ class PersistenceActor:
             return None
         self.num_loads += 1
         self.disk_budget.touch(agent_id, time.time())
-        await self._io(touch, path)  # its recency survives a restart
         return cache
 
     async def _load_conversation(self, agent_id: AgentId) -> ConversationRecord | None:
