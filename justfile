@@ -67,3 +67,7 @@ bench-replay *ARGS:
 # Fetch and convert the default model into the user cache.
 fetch-model *ARGS:
     {{fast}} {{py}} scripts/fetch_default_model.py {{ARGS}}
+
+# A long mixed workload with small budgets (pass --minutes, --workers): leaks, failures, lost turns.
+soak *ARGS:
+    {{fast}} {{py}} -m bench.soak {{ARGS}}

@@ -32,24 +32,34 @@ def file_blocks(
     shared full blocks reused and touched, the rest filled in blocks popped from `spare`, then
     from `allocate`."""
     block_ids: list[int] = []
+    taken: list[int] = []  # the references taken here (not `spare`'s): given back if filing fails
     parent = salt_root(salt)
-    for start in range(0, len(token_ids), block_size):
-        tokens = token_ids[start : start + block_size]
-        if len(tokens) == block_size:
-            parent = hash_block_tokens(parent, tokens)
-            existing = pool.get_cached_block(parent, tokens)
-            if existing is not None:
-                pool.touch([existing])
-                block_ids.append(existing)
-                continue
-        block_id = spare.pop() if spare else allocate()
-        payload = block_payload(full_kv, start, len(tokens), encode)
-        if len(tokens) == block_size:
-            assert parent is not None
-            pool.cache_full_block(block_id, parent, tokens, payload)
-        else:
-            pool.set_payload(block_id, payload)
-        block_ids.append(block_id)
+    try:
+        for start in range(0, len(token_ids), block_size):
+            tokens = token_ids[start : start + block_size]
+            if len(tokens) == block_size:
+                parent = hash_block_tokens(parent, tokens)
+                existing = pool.get_cached_block(parent, tokens)
+                if existing is not None:
+                    pool.touch([existing])
+                    taken.append(existing)
+                    block_ids.append(existing)
+                    continue
+            if spare:
+                block_id = spare.pop()
+            else:
+                block_id = allocate()
+                taken.append(block_id)
+            payload = block_payload(full_kv, start, len(tokens), encode)
+            if len(tokens) == block_size:
+                assert parent is not None
+                pool.cache_full_block(block_id, parent, tokens, payload)
+            else:
+                pool.set_payload(block_id, payload)
+            block_ids.append(block_id)
+    except BaseException:
+        pool.free(taken)  # blocks popped from `spare` stay the caller's
+        raise
     mx.eval([pool.payload(b) for b in block_ids])
     return block_ids
 

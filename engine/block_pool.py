@@ -13,6 +13,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from semantic.engine.errors import PoolExhaustedError
+
 BlockHash = bytes
 
 
@@ -103,7 +105,7 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` fresh blocks (ref count 1), evicting the oldest free ones' hashes."""
         if not self.can_allocate(num_blocks):
-            raise ValueError(f"cannot allocate {num_blocks} blocks: {self.num_free_blocks} free")
+            raise PoolExhaustedError(f"cannot allocate {num_blocks} blocks: {self.num_free_blocks} free")
         block_ids = []
         for _ in range(num_blocks):
             block_id, _ = self.free_block_ids.popitem(last=False)

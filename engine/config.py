@@ -60,4 +60,6 @@ class EngineStats:
     num_agents_cached: int = 0
     num_evictions: int = 0
     prefill_chunk_tokens: int = 0  # the last tick's prefill budget
+    mlx_active_bytes: int = 0  # MLX's memory on this rank: in arrays, and freed but kept for reuse
+    mlx_cache_bytes: int = 0
     rank_memory_bytes: list[int] = field(default_factory=list)  # in a group: each rank's MLX active memory

@@ -37,7 +37,7 @@ from semantic.engine.commands import (
 )
 from semantic.engine.config import EngineConfig, EngineStats
 from semantic.engine.drains import Drains
-from semantic.engine.errors import EngineError
+from semantic.engine.errors import EngineError, PoolExhaustedError
 from semantic.engine.loading import LoadedModel
 from semantic.engine.lockstep import Lockstep
 from semantic.engine.messages import Finished, FinishReason
@@ -209,6 +209,9 @@ class EngineCore:
         try:
             runtime.restore(cache, salt)
             restored = True
+        except PoolExhaustedError as error:  # running sequences hold the pool: not the file's fault
+            logger.info("no room to restore the cache of {} now ({}); its turn computes it", agent_id, error)
+            restored = False
         except Exception:
             if lockstep is None:
                 raise
@@ -217,7 +220,7 @@ class EngineCore:
         if lockstep is not None and not lockstep.agree(restored, f"restored {agent_id}"):
             runtime.store.drop(agent_id)  # some rank could not: none keeps it
             return False
-        return True
+        return restored
 
     def _loaded_runtime(self) -> Runtime:
         if self._runtime is None:
@@ -293,3 +296,5 @@ class EngineCore:
         self.stats.num_waiting = len(self._scheduler)
         self.stats.pool_used_bytes = runtime.pool.used_bytes
         self.stats.num_agents_cached = len(runtime.store.agents)
+        self.stats.mlx_active_bytes = mx.get_active_memory()
+        self.stats.mlx_cache_bytes = mx.get_cache_memory()

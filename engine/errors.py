@@ -11,6 +11,10 @@ class ModelChangedError(EngineError):
     """The request was tokenized for a model that has since been swapped out; retry it."""
 
 
+class PoolExhaustedError(EngineError):
+    """The KV block pool has too few free blocks, even after evicting every idle cache it may."""
+
+
 class PromptTooLongError(ValueError):
     """`is_lower_bound`: refused by its length before tokenizing, so `num_tokens` is a minimum."""
 

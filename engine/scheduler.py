@@ -17,7 +17,7 @@ from loguru import logger
 from semantic.engine.agent_cache import AgentCacheStore
 from semantic.engine.commands import Submit
 from semantic.engine.config import EngineConfig
-from semantic.engine.errors import ModelChangedError
+from semantic.engine.errors import EngineError, ModelChangedError
 from semantic.engine.messages import GenerationRequest
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
@@ -66,12 +66,15 @@ class Scheduler:
             if aside is None:
                 return
         try:
-            self._admit_in_order(order, runtime, outbox, slots)
+            self._admit_in_order(order, runtime, outbox, slots, holding=aside is not None)
         finally:
             if aside is not None:
                 batch.resume(aside)
 
-    def _admit_in_order(self, order: list[Submit], runtime: Runtime, outbox: Outbox, slots: int) -> None:
+    def _admit_in_order(
+        self, order: list[Submit], runtime: Runtime, outbox: Outbox, slots: int, holding: bool
+    ) -> None:
+        """`holding`: a prompt set aside holds blocks outside the batch (it goes back in after)."""
         batch, pool = runtime.batch, runtime.pool
         for submit in order:
             if slots <= 0:
@@ -91,6 +94,20 @@ class Scheduler:
                 outbox.post(submit.events, refusal)
                 continue
             num_reserved = self._make_room(runtime, request, needed)
+            if num_reserved is None and not len(batch) and not holding:
+                # Nothing runs that could free blocks, so waiting would never end: fail it loudly.
+                logger.error(
+                    "{} of {} KV blocks are held with nothing running", pool.num_used_blocks, pool.num_blocks
+                )
+                self.waiting.remove(submit)
+                outbox.post(
+                    submit.events,
+                    EngineError(
+                        f"the KV pool has {pool.num_free_blocks} free blocks of "
+                        f"{pool.num_blocks} and nothing running to free more; this request needs {needed}"
+                    ),
+                )
+                continue
             if num_reserved is None:
                 return
             self.waiting.remove(submit)

@@ -103,6 +103,10 @@ class _SystemCollector(Collector):
         pool.add_metric(["used"], stats.pool_used_bytes)
         pool.add_metric(["budget"], stats.pool_budget_bytes)
         yield pool
+        mlx_memory = GaugeMetricFamily("semantic_mlx_memory_bytes", "MLX memory on rank 0", labels=["kind"])
+        mlx_memory.add_metric(["active"], stats.mlx_active_bytes)  # in arrays: weights, KV, activations
+        mlx_memory.add_metric(["cache"], stats.mlx_cache_bytes)  # freed, kept by MLX for reuse
+        yield mlx_memory
         yield GaugeMetricFamily(
             "semantic_active_agents",
             "Agents with an actor or a cache in memory",

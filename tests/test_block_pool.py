@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from semantic.engine.block_pool import BlockPool, hash_block_tokens, hash_prefix_blocks
+from semantic.engine.errors import PoolExhaustedError
 
 BLOCK_SIZE = 4
 
@@ -16,7 +17,7 @@ def test_allocate_free_and_lru_order() -> None:
     a = pool.allocate(2)
     assert a == [0, 1] and pool.num_free_blocks == 2
     assert pool.can_allocate(2) and not pool.can_allocate(3)
-    with pytest.raises(ValueError, match="cannot allocate 3 blocks: 2 free"):
+    with pytest.raises(PoolExhaustedError, match="cannot allocate 3 blocks: 2 free"):
         pool.allocate(3)
     pool.free(a)
     # Unhashed blocks go to the front, tail first, so they are reused before cached ones.

@@ -13,15 +13,16 @@ from semantic.engine.agent_cache import AgentCacheStore
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_spec import LayerKind, ModelCacheSpec
 from semantic.engine.cache_tensors import from_tensors, to_tensors
+from semantic.engine.errors import PoolExhaustedError
 from semantic.engine.layer_caches import BlockCodec, HistoryKVCache, full_layers_of
 from semantic.storage.cache_file import CacheIdentity, read_cache_file, write_cache_file
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 2, 32, 16
 
 
-def a_store(dtype: str, bits: int | None) -> AgentCacheStore:
+def a_store(dtype: str, bits: int | None, num_blocks: int = 32) -> AgentCacheStore:
     spec = ModelCacheSpec(LAYERS, HEADS, HEAD_DIM, dtype, (LayerKind.FULL,) * LAYERS, None, BLOCK)
-    pool = BlockPool(32, BLOCK, spec.bytes_per_block)
+    pool = BlockPool(num_blocks, BLOCK, spec.bytes_per_block)
     return AgentCacheStore(
         spec, pool, lambda: [KVCache() for _ in range(LAYERS)], BlockCodec.for_spec(spec, bits)
     )
@@ -120,6 +121,52 @@ def test_a_returning_turn_s_cache_has_room_and_its_batch_takes_it_without_a_copy
         assert batch.keys.shape == held.shape  # the new tokens went into the room
         expected = mx.concatenate([keys[..., :num_reused, :], new_keys], axis=2)
         assert mx.array_equal(batch_keys, expected).item()
+
+
+def kv_caches(num_tokens: int) -> list[KVCache]:
+    caches = []
+    for _ in range(LAYERS):
+        cache = KVCache()
+        cache.update_and_fetch(*(mx.random.normal((1, HEADS, num_tokens, HEAD_DIM)) for _ in "kv"))
+        caches.append(cache)
+    return caches
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    running_blocks=st.integers(min_value=0, max_value=30),
+    shared_blocks=st.integers(min_value=0, max_value=4),
+    snapshot_blocks=st.integers(min_value=1, max_value=40),
+)
+def test_a_restore_that_does_not_fit_takes_no_block(
+    running_blocks: int, shared_blocks: int, snapshot_blocks: int
+) -> None:
+    """Running sequences hold most of the pool: a cache read from disk that does not fit raises
+    PoolExhaustedError (not the file's fault: it is kept, not quarantined) and leaves every block's
+    references as they were; one that fits is restored."""
+    store = a_store("float32", None)
+    shared = list(range(1, 1 + shared_blocks * BLOCK))
+    store.store("sharer", shared, kv_caches(len(shared)), [])  # its full blocks are published
+    store.pin("sharer")
+    running = list(range(9000, 9000 + min(running_blocks, 32 - shared_blocks) * BLOCK))
+    if running:
+        store.store("runner", running, kv_caches(len(running)), [])
+        store.pin("runner")
+    tokens = shared + list(range(5000, 5000 + (snapshot_blocks - shared_blocks) * BLOCK + 3))
+    writer = a_store("float32", None, num_blocks=64)
+    writer.store("returning", tokens, kv_caches(len(tokens)), [])
+    snapshot = from_tensors(to_tensors(writer.snapshot("returning")), "float32", LAYERS, 0)
+    ref_counts = [block.ref_count for block in store.pool.blocks]
+    fits = store.spec.num_blocks_for(len(tokens)) - shared_blocks <= store.pool.num_free_blocks
+
+    if fits:
+        store.restore(snapshot)
+        assert store.agents["returning"].token_ids == tokens
+    else:
+        with pytest.raises(PoolExhaustedError):
+            store.restore(snapshot)
+        assert "returning" not in store.agents
+        assert [block.ref_count for block in store.pool.blocks] == ref_counts
 
 
 def test_two_rebuilt_caches_are_merged_as_mlx_lm_merges_them() -> None:

@@ -1,0 +1,116 @@
+"""When running sequences hold the KV pool, a returning agent whose cache is on disk is served
+from its conversation instead: its file is kept (not quarantined as if damaged), its reply is the
+cold reply, and no block is left held by nobody. A request whose blocks nothing running can free
+fails at once instead of waiting for ever."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from semantic.actors.agent_id import AgentId
+from semantic.actors.system import AgentSystem, SystemConfig
+from semantic.engine.commands import InspectPool, Submit
+from semantic.engine.engine import EngineConfig
+from semantic.engine.errors import EngineError
+from semantic.engine.messages import EventChannel, GenerationRequest
+from semantic.engine.outbox import Outbox
+from semantic.engine.runtime import Runtime
+from semantic.engine.sampling import SamplingParams
+from semantic.engine.scheduler import Scheduler
+from tests.batch_driver import chat, drain, loop, outbox, runtime, submit
+from tests.test_agents import cold_output, generate, run_turn, user_turn, without_eos
+
+__all__ = ["loop", "outbox", "runtime"]  # fixtures
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def system(
+    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[AgentSystem]:
+    config = SystemConfig(
+        engine=EngineConfig(model=str(default_model_dir), cache_budget_mb=48),  # 4 blocks of 256 tokens
+        cache_dir=tmp_path_factory.mktemp("cache"),
+    )
+    system = AgentSystem(config)
+    await system.start()
+    yield system
+    await system.stop()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_cache_with_no_room_to_restore_is_kept_and_the_turn_computed(system: AgentSystem) -> None:
+    pool = await system.engine.ask(InspectPool())
+    block_size = system.engine.model.spec.block_size
+    assert pool.num_blocks >= 3
+    returning = AgentId("returning")
+    prompt = user_turn(system, "tell me more " * 100, first=True)  # two blocks or more
+    assert len(prompt) > block_size
+    first, _, _ = await run_turn(await generate(system, returning, prompt, SamplingParams(max_tokens=4)))
+    assert await system.evict(returning)
+    persistence = system.models.persistence
+    assert persistence is not None and persistence.path_for(returning).exists()
+
+    # Another agent's long reply reserves all blocks but one for as long as it decodes.
+    eos = system.engine.model.eos_token_ids
+    hog_prompt = user_turn(system, "Count to a thousand.", first=True)
+    hog_tokens = (pool.num_blocks - 1) * block_size - len(hog_prompt) - 1
+    no_end = tuple((token, -100.0) for token in eos)
+    hog = await generate(
+        system, AgentId("hog"), hog_prompt, SamplingParams(max_tokens=hog_tokens, logit_bias=no_end)
+    )
+    hog_events = aiter(hog)
+    while (await anext(hog_events)).__class__.__name__ != "TokenDelta":
+        pass  # the hog is decoding: its blocks are reserved
+    follow_up = prompt + first + user_turn(system, "And then?", first=False)
+    turn = asyncio.ensure_future(
+        run_turn(await generate(system, returning, follow_up, SamplingParams(max_tokens=6)))
+    )
+    while system.engine.stats.num_waiting == 0:  # the turn, its restore tried, waits for blocks
+        await asyncio.sleep(0.05)
+    hog.cancel()
+    async for _ in hog_events:
+        pass
+    tokens, started, _ = await turn
+
+    assert started.cache_tier != "disk"
+    assert persistence.path_for(returning).exists()
+    assert not any(p.name.startswith("returning") for p in persistence.quarantine_dir.glob("*"))
+    assert without_eos(system, tokens) == await cold_output(system, follow_up, 6)
+    report = await system.engine.ask(InspectPool())
+    held = Counter(block for blocks in report.agent_id_to_block_ids.values() for block in blocks)
+    assert report.num_running == 0
+    assert sorted(held.values()) == report.ref_counts  # every reference is an agent's
+
+
+def test_a_request_no_running_sequence_can_make_room_for_fails_instead_of_waiting(
+    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop, default_model_dir: Path
+) -> None:
+    pool = runtime.pool
+    config = EngineConfig(model=str(default_model_dir))
+    lost = pool.allocate(pool.num_free_blocks - 1)  # held by nobody, as a leaked block would be
+    prompt = chat(runtime, "Hello")
+    sampling = SamplingParams(max_tokens=2 * runtime.loaded.spec.block_size, temperature=0)
+    waiting = Submit(GenerationRequest("too-big", prompt, sampling, None), EventChannel(loop))
+    scheduler = Scheduler()
+    try:
+        running = submit(runtime, loop, prompt, 1)  # it holds the last block until it ends
+        scheduler.add(waiting)
+        scheduler.admit(runtime, config, outbox)
+        assert len(scheduler) == 1  # the running sequence will free its block: wait
+
+        runtime.batch.cancel(running.request.request_id)
+        scheduler.admit(runtime, config, outbox)
+        outbox.flush()
+        loop.run_until_complete(asyncio.sleep(0))
+
+        assert len(scheduler) == 0
+        (error,) = [e for e in drain(waiting) if isinstance(e, Exception)]
+        assert isinstance(error, EngineError) and "nothing running to free more" in str(error)
+    finally:
+        pool.free(lost)
