@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 from loguru import logger
 
+from semantic.actors.evicted_writes import EvictedWrites
 from semantic.actors.model_session import (
     Holds,
     ModelLoadError,
@@ -68,7 +69,7 @@ class ModelHost:
         self.transition_target: str | None = None
         self.last_swap: SwapReport | None = None
         self.swap_history: list[SwapReport] = []
-        self._pending_writes: set[asyncio.Task[Any]] = set()
+        self.evicted_writes = EvictedWrites(engine_config.cache_budget_mb * 2**20)
         self._last_used = time.monotonic()
         self._idle_watch: asyncio.Task[None] | None = None
         self.active_memory_before_load = 0
@@ -282,10 +283,7 @@ class ModelHost:
         if persistence is None:
             logger.warning("dropping {} evicted caches: no persistence for this model", len(caches))
             return
-        task = asyncio.get_running_loop().create_task(persistence.save(caches))
-        self._pending_writes.add(task)
-        task.add_done_callback(self._pending_writes.discard)
+        self.evicted_writes.hand(caches, persistence)
 
     async def _settle_writes(self) -> None:
-        if self._pending_writes:
-            await asyncio.gather(*self._pending_writes, return_exceptions=True)
+        await self.evicted_writes.settle()

@@ -6,17 +6,19 @@ for `--minutes` runs `--workers` clients that each pick, turn after turn, one of
 turn of one of 24 named agents (streamed or not), an eviction or (rarely) a deletion of one, a
 streamed Anthropic conversation turn with a tool, an OpenAI chat stream the client drops after
 three chunks, a text completion with log-probabilities, or a malformed request. Every 10 s it
-samples the server's RSS, open file descriptors, threads and its /metrics (pool bytes in use,
-requests in flight, agents in memory, cache bytes on disk).
+samples the server's RSS, open file descriptors, threads and its /metrics (pool bytes in use, MLX
+memory, requests in flight, agents in memory, cache bytes on disk), and once more after a minute
+idle (when the server gives its free heap pages back).
 
 Then it restarts the server (SIGTERM) and sends each surviving direct-API agent one more turn:
 its prompt must hold every acknowledged turn before it (prompt tokens at least the last turn's
 prompt plus reply).
 
-Writes bench/results/soak.json: counts by scenario and status, failures (5xx, dropped
-connections, lost history), and the samples with RSS growth over the second half.
+Writes bench/results/soak.json: counts by scenario and status, what the 4xx said, failures (5xx,
+dropped connections, lost history), quarantined files, heap trims, each figure's range in either
+half of the run, and every sample.
 
-    python -m semantic.launch .venv/bin/python -m bench.soak --minutes 20
+    python -m semantic.launch .venv/bin/python -m bench.soak --minutes 10
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import statistics
 import tempfile
 import time
@@ -37,6 +40,7 @@ import aiohttp
 
 from bench.common import write_results
 from semantic.engine.default_model import ensure_default_model
+from semantic.launch import HEAP_TRIM_INTERVAL_S
 from tests.server_process import ServerProcess
 
 NUM_AGENTS = 24
@@ -269,6 +273,8 @@ async def soak(server: ServerProcess, soak: Soak, minutes: float, workers: int) 
         await asyncio.gather(*tasks)
         await asyncio.sleep(3)  # let dropped streams and evictions settle
         samples.append(await sample(server, http, started))
+        await asyncio.sleep(HEAP_TRIM_INTERVAL_S + 10)  # idle: the server gives free heap back
+        samples.append(await sample(server, http, started))
     return samples
 
 
@@ -279,13 +285,14 @@ async def after_restart(server: ServerProcess, soak: Soak) -> int:
     return len(soak.agent_totals)
 
 
-def growth(samples: list[dict[str, float]], key: str) -> float:
-    """Change of `key` between the medians of the second half's first and last quarters."""
-    half = samples[len(samples) // 2 :]
-    quarter = max(1, len(half) // 4)
-    return statistics.median(s[key] for s in half[-quarter:]) - statistics.median(
-        s[key] for s in half[:quarter]
-    )
+def ranges(samples: list[dict[str, float]], key: str) -> dict[str, list[float]]:
+    """`key`'s lowest and highest value in each half of the run: growth shows as a second half above
+    the first, where a heap trimmed once a minute swings within one range."""
+    half = len(samples) // 2
+    return {
+        name: [round(min(s[key] for s in part), 1), round(max(s[key] for s in part), 1)]
+        for name, part in (("first_half", samples[:half]), ("second_half", samples[half:]))
+    }
 
 
 def main() -> None:
@@ -296,7 +303,16 @@ def main() -> None:
     parser.add_argument("--cache-dir", help="keep the server's folder (and its log) here")
     args = parser.parse_args()
     model = ensure_default_model()
-    budgets = ("--cache-budget-mb", "48", "--disk-budget-mb", "40", "--model", str(model))
+    budgets = (
+        "--cache-budget-mb",
+        "48",
+        "--disk-budget-mb",
+        "40",
+        "--model",
+        str(model),
+        "--log-level",
+        "debug",
+    )
     with tempfile.TemporaryDirectory() as scratch:
         tmp = args.cache_dir or scratch
         server = ServerProcess(Path(tmp), *budgets).start()
@@ -312,6 +328,7 @@ def main() -> None:
         finally:
             server.stop()
         quarantined = list((Path(tmp)).rglob("quarantine/*"))
+        trims_ms = [float(m) for m in re.findall(r"gave free heap pages back in ([0-9.]+) ms", server.log())]
     write_results(
         "soak",
         {
@@ -324,11 +341,17 @@ def main() -> None:
             "agent_turns_before_restart": turns_before,
             "agents_resumed_after_restart": resumed,
             "quarantined_files": [p.name for p in quarantined],
-            "second_half_growth": {
-                key: round(growth(samples, key), 2)
+            "heap_trims": {
+                "count": len(trims_ms),
+                "median_ms": statistics.median(trims_ms) if trims_ms else None,
+                "max_ms": max(trims_ms, default=None),
+            },
+            "ranges": {
+                key: ranges(samples, key)
                 for key in ("rss_mib", "mlx_active_mib", "mlx_cache_mib", "fds", "threads", "pool_used_mib")
             },
-            "end": samples[-1],
+            "end_busy": samples[-2],
+            "end_after_idle_minute": samples[-1],
             "samples": samples,
         },
     )

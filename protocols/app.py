@@ -11,6 +11,7 @@ from aiohttp import web
 
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.config import Settings
+from semantic.launch import give_memory_back_when_idle
 from semantic.protocols import admin, agents, anthropic, completions, model_cards, openai, openapi
 from semantic.protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY, SYSTEM_KEY
 from semantic.protocols.errors import errors_in_protocol_shape
@@ -70,11 +71,15 @@ def create_app(config: SystemConfig, settings: Settings | None = None) -> web.Ap
         app[STARTED_KEY]["startup_s"] = time.monotonic() - started
         metrics = app[METRICS_KEY]
         metrics.attach(system, lambda: app[GATE_KEY].num_in_flight)
-        lag_watch = asyncio.create_task(metrics.watch_loop_lag())
+        housekeeping = [
+            asyncio.create_task(metrics.watch_loop_lag()),
+            asyncio.create_task(give_memory_back_when_idle(lambda: app[GATE_KEY].num_in_flight == 0)),
+        ]
         yield
-        lag_watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await lag_watch
+        for task in housekeeping:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await system.stop()
 
     app.cleanup_ctx.append(agent_system)

@@ -126,6 +126,11 @@ class _SystemCollector(Collector):
         yield CounterMetricFamily(
             "semantic_evictions", "Agent caches evicted from memory", stats.num_evictions
         )
+        yield CounterMetricFamily(
+            "semantic_evicted_caches_dropped",
+            "Evicted caches not written: too many bytes already waited for the disk",
+            self.system.models.evicted_writes.num_dropped,
+        )
         persistence = self.system.models.persistence
         loads = persistence.num_loads if persistence else 0
         yield CounterMetricFamily("semantic_cache_loads", "Agent caches loaded from disk", loads)

@@ -166,6 +166,9 @@ def load_settings(
         layer(_from_env(_read_dotenv(dotenv)), f"{dotenv}")
     layer(_from_env(os.environ if environ is None else environ), "environment")
     layer(dict(cli or {}), "command line")
+    level = merged.get("logging", {}).get("level")
+    if isinstance(level, str):
+        merged["logging"]["level"] = level.upper()  # `--log-level debug` as loguru's DEBUG
     try:
         settings = msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as error:

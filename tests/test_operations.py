@@ -32,9 +32,10 @@ def test_settings_layers_apply_in_order_and_say_where_each_value_came_from(tmp_p
     dotenv = tmp_path / ".env"
     dotenv.write_text("SEMANTIC_SERVER_PORT=9001\nSEMANTIC_LIMITS_MAX_TOKENS=200\n# a comment\n")
     environ = {"SEMANTIC_SERVER_PORT": "9002", "SEMANTIC_MODEL_ALIASES": "claude*=,gpt-4o=tiny", "HOME": "/x"}
-    loaded = load_settings({"server.port": "9003"}, environ, dotenv, toml)
+    loaded = load_settings({"server.port": "9003", "logging.level": "debug"}, environ, dotenv, toml)
     settings = loaded.settings
     assert settings.server.port == 9003 and loaded.sources["server.port"] == "command line"
+    assert settings.logging.level == "DEBUG"  # as typed, in either case
     assert settings.limits.max_tokens == 200
     assert loaded.sources["limits.max_tokens"] == f"{dotenv} SEMANTIC_LIMITS_MAX_TOKENS"
     assert settings.limits.max_tools == 3 and loaded.sources["limits.max_tools"] == f"config file {toml}"
@@ -233,6 +234,8 @@ def test_requests_are_measured_logged_and_rate_limited(server: ServerProcess) ->
         'semantic_cache_lookups_total{tier="memory"}',
         "semantic_generated_tokens_total 16.0",
         'semantic_pool_bytes{kind="budget"}',
+        'semantic_mlx_memory_bytes{kind="active"}',
+        "semantic_evicted_caches_dropped_total 0.0",
         "semantic_queue_depth 0.0",
         "semantic_batch_size 0.0",
         "semantic_active_agents",
