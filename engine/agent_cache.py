@@ -145,13 +145,17 @@ class AgentCacheStore:
 
     def _shared_block_ids(self, prompt: list[int], salt: str | None) -> list[int]:
         """The pool's full blocks that hold `prompt`'s leading tokens (none for sliding-window models)."""
+        # Not the last prompt token: at least one must be prefilled for the next token's logits.
+        return self.held_block_ids(prompt[:-1], salt)
+
+    def held_block_ids(self, token_ids: list[int], salt: str | None) -> list[int]:
+        """The pool's full blocks that hold `token_ids`' leading tokens (none for sliding-window models)."""
         if self.spec.has_sliding_layers:
             return []
         size = self.spec.block_size
         block_ids: list[int] = []
-        # Not the last prompt token: at least one must be prefilled for the next token's logits.
-        for index, block_hash in enumerate(hash_prefix_blocks(prompt[:-1], size, salt)):
-            block_id = self.pool.get_cached_block(block_hash, prompt[index * size : (index + 1) * size])
+        for index, block_hash in enumerate(hash_prefix_blocks(token_ids, size, salt)):
+            block_id = self.pool.get_cached_block(block_hash, token_ids[index * size : (index + 1) * size])
             if block_id is None:
                 break
             block_ids.append(block_id)
@@ -290,7 +294,7 @@ class AgentCacheStore:
         (copied once, from the file's arrays) filed under the salt of the turn that needs it."""
         self.drop(snapshot.agent_id)
         num_tokens = len(snapshot.token_ids)
-        needed = self.spec.num_blocks_for(num_tokens)
+        needed = self.spec.num_blocks_for(num_tokens) - len(self.held_block_ids(snapshot.token_ids, salt))
         if not self.pool.can_allocate(needed):
             self.evict_until(needed)
         full_kv = [

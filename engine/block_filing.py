@@ -33,6 +33,7 @@ def file_blocks(
     from `allocate`."""
     block_ids: list[int] = []
     taken: list[int] = []  # the references taken here (not `spare`'s): given back if filing fails
+    filed: list[int] = []  # the blocks given contents here: emptied again if filing fails
     parent = salt_root(salt)
     try:
         for start in range(0, len(token_ids), block_size):
@@ -50,6 +51,7 @@ def file_blocks(
             else:
                 block_id = allocate()
                 taken.append(block_id)
+            filed.append(block_id)
             payload = block_payload(full_kv, start, len(tokens), encode)
             if len(tokens) == block_size:
                 assert parent is not None
@@ -57,10 +59,13 @@ def file_blocks(
             else:
                 pool.set_payload(block_id, payload)
             block_ids.append(block_id)
+        mx.eval([pool.payload(b) for b in block_ids])
     except BaseException:
-        pool.free(taken)  # blocks popped from `spare` stay the caller's
+        # Unpublished, so no lazy payload keeps the source arrays alive or is shared; blocks
+        # popped from `spare` stay the caller's.
+        pool.empty(filed)
+        pool.free(taken)
         raise
-    mx.eval([pool.payload(b) for b in block_ids])
     return block_ids
 
 

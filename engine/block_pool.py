@@ -155,6 +155,11 @@ class BlockPool:
         assert block.ref_count > 0, f"payload set on free block {block_id}: caller bug"
         block.payload = payload
 
+    def empty(self, block_ids: Iterable[int]) -> None:
+        """Take back what these blocks were given (hash and payload), as if fresh; their references stay."""
+        for block_id in block_ids:
+            self._forget_hash(self.blocks[block_id])
+
     def payload(self, block_id: int) -> Any:
         return self.blocks[block_id].payload
 

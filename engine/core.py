@@ -88,6 +88,7 @@ class EngineCore:
         )
         self._runtime, self.loaded = runtime, runtime.loaded
         self.stats.pool_budget_bytes = runtime.pool.budget_bytes
+        self._update_stats()
         return runtime.loaded
 
     def _unload(self) -> None:
@@ -103,7 +104,9 @@ class EngineCore:
         self.stats.pool_budget_bytes = self.stats.pool_used_bytes = self.stats.num_agents_cached = 0
         gc.collect()
         mx.clear_cache()
-        logger.info("unloaded {}; MLX active memory now {:.1f} MiB", name, mx.get_active_memory() / 2**20)
+        stats = self.stats
+        stats.mlx_active_bytes, stats.mlx_cache_bytes = mx.get_active_memory(), mx.get_cache_memory()
+        logger.info("unloaded {}; MLX active memory now {:.1f} MiB", name, stats.mlx_active_bytes / 2**20)
 
     @property
     def _is_busy(self) -> bool:
@@ -204,9 +207,8 @@ class EngineCore:
             return False
         if cache is None:
             return False
-        num_blocks = runtime.loaded.spec.num_blocks_for(num_tokens)
-        self._scheduler.make_room(runtime, num_blocks, self._scheduler.queued_agent_ids)
         try:
+            self._make_room_to_restore(runtime, cache, salt)
             runtime.restore(cache, salt)
             restored = True
         except PoolExhaustedError as error:  # running sequences hold the pool: not the file's fault
@@ -221,6 +223,22 @@ class EngineCore:
             runtime.store.drop(agent_id)  # some rank could not: none keeps it
             return False
         return restored
+
+    def _make_room_to_restore(self, runtime: Runtime, cache: SerializedCache, salt: str | None) -> None:
+        """Evict idle caches (not those of queued requests) for a cache read from disk, or raise
+        PoolExhaustedError, evicting nothing, where even all of them would not make room."""
+        store, pool = runtime.store, runtime.pool
+        token_ids = [int(t) for t in cache.tensors["tokens"]]
+        num_new = runtime.loaded.spec.num_blocks_for(len(token_ids)) - len(
+            store.held_block_ids(token_ids, salt)
+        )
+        spared = self._scheduler.queued_agent_ids
+        evictable = {b for a in store.evictable() if a.agent_id not in spared for b in a.block_ids}
+        if pool.num_free_blocks + len(evictable) < num_new:
+            raise PoolExhaustedError(
+                f"{num_new} blocks needed, {pool.num_free_blocks} free, {len(evictable)} in idle caches"
+            )
+        self._scheduler.make_room(runtime, num_new, spared)
 
     def _loaded_runtime(self) -> Runtime:
         if self._runtime is None:

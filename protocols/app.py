@@ -73,7 +73,7 @@ def create_app(config: SystemConfig, settings: Settings | None = None) -> web.Ap
         metrics.attach(system, lambda: app[GATE_KEY].num_in_flight)
         housekeeping = [
             asyncio.create_task(metrics.watch_loop_lag()),
-            asyncio.create_task(give_memory_back_when_idle(lambda: app[GATE_KEY].num_in_flight == 0)),
+            asyncio.create_task(give_memory_back_when_idle(app[GATE_KEY].quiet_for_s)),
         ]
         yield
         for task in housekeeping:

@@ -51,6 +51,7 @@ class Gate:
         self.tenancy = Tenancy.from_settings(settings.server)
         self.capacity = settings.engine.max_batch_size + settings.limits.max_queued
         self.num_in_flight = 0
+        self.last_active = time.monotonic()
         self.is_shutting_down = False
         limits = settings.limits
         self._global = TokenBucket(limits.rate_per_s, limits.rate_burst) if limits.rate_per_s else None
@@ -99,7 +100,13 @@ class Gate:
                     headers={"Retry-After": str(math.ceil(wait))},
                 )
         self.num_in_flight += 1
+        self.last_active = time.monotonic()
 
     def release(self) -> None:
         assert self.num_in_flight > 0, "released a slot that was never admitted: guard bug"
         self.num_in_flight -= 1
+        self.last_active = time.monotonic()
+
+    def quiet_for_s(self) -> float:
+        """Seconds since the last request was admitted or ended; 0 while any is in flight."""
+        return 0.0 if self.num_in_flight else time.monotonic() - self.last_active

@@ -26,7 +26,7 @@ from pathlib import Path
 from loguru import logger
 
 _DONE_MARKER = "SEMANTIC_FAST_BLAS"
-HEAP_TRIM_INTERVAL_S = 60.0
+HEAP_TRIM_IDLE_S = 60.0
 # One arena: glibc gives other threads arenas of 64 MB heaps that map and unmap what outgrows them,
 # so on the engine thread (not the main one) those arrays paid the page faults all the same (an
 # elementwise op over 13.6M floats: 55 ms there against 7 ms on the main thread).
@@ -139,20 +139,27 @@ def give_memory_back() -> bool:
 
 
 async def give_memory_back_when_idle(
-    is_idle: Callable[[], bool], interval_s: float = HEAP_TRIM_INTERVAL_S
+    quiet_for_s: Callable[[], float],
+    idle_s: float = HEAP_TRIM_IDLE_S,
+    poll_s: float = 10.0,
+    clock: Callable[[], float] = time.monotonic,
 ) -> None:
-    """Every `interval_s`, if `is_idle()`, trim the heap in a worker thread; for as long as it runs.
+    """Once `quiet_for_s()` (seconds with no request in flight) reaches `idle_s`, trim the heap in a
+    worker thread, once for each quiet spell; for as long as it runs.
 
     The launcher keeps the heap at its peak while work runs (decoding wants it), but a daemon is
     idle most of the time and would otherwise hold its busiest moment's memory for good (a 10-minute
-    soak: RSS up 170 MiB with MLX's own memory flat, and a trim gave 160 MiB back in ~20 ms).
+    soak: RSS up 190 MiB with MLX's own memory flat, and a trim gave 240 MiB back in ~24 ms).
     Under load it does nothing: the next steps would only fault the same pages in again.
     """
     loop = asyncio.get_running_loop()
+    trimmed_at = -float("inf")
     while True:
-        await asyncio.sleep(interval_s)
-        if not is_idle():
-            continue
+        await asyncio.sleep(poll_s)
+        quiet_s = quiet_for_s()
+        if quiet_s < idle_s or clock() - quiet_s <= trimmed_at:
+            continue  # busy, or trimmed already in this quiet spell
+        trimmed_at = clock()
         started = time.perf_counter()
         if await loop.run_in_executor(None, give_memory_back):
             logger.debug("gave free heap pages back in {:.1f} ms", (time.perf_counter() - started) * 1e3)

@@ -157,6 +157,7 @@ def test_a_restore_that_does_not_fit_takes_no_block(
     writer.store("returning", tokens, kv_caches(len(tokens)), [])
     snapshot = from_tensors(to_tensors(writer.snapshot("returning")), "float32", LAYERS, 0)
     ref_counts = [block.ref_count for block in store.pool.blocks]
+    hashes = set(store.pool.hash_to_block_id)
     fits = store.spec.num_blocks_for(len(tokens)) - shared_blocks <= store.pool.num_free_blocks
 
     if fits:
@@ -167,6 +168,7 @@ def test_a_restore_that_does_not_fit_takes_no_block(
             store.restore(snapshot)
         assert "returning" not in store.agents
         assert [block.ref_count for block in store.pool.blocks] == ref_counts
+        assert set(store.pool.hash_to_block_id) <= hashes  # nothing it filed stays published
 
 
 def test_two_rebuilt_caches_are_merged_as_mlx_lm_merges_them() -> None:
