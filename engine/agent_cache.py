@@ -24,6 +24,7 @@ from semantic.engine.block_filing import file_blocks, publish_blocks
 from semantic.engine.block_pool import BlockPool, hash_prefix_blocks
 from semantic.engine.cache_spec import ModelCacheSpec
 from semantic.engine.cache_tensors import CacheSnapshot, HostSnapshot
+from semantic.engine.errors import PoolExhaustedError
 from semantic.engine.layer_caches import (
     BlockCodec,
     HistoryKVCache,
@@ -203,7 +204,9 @@ class AgentCacheStore:
         assert len(layer_caches) == self.spec.num_layers, "cache layers do not match the spec: engine bug"
         full_kv = [kv_of(layer_caches[layer], len(token_ids)) for layer in self.spec.full_layer_ids]
         sliding = [layer_caches[layer].state for layer in self.spec.sliding_layer_ids]
-        return self._file_blocks(agent_id, token_ids, full_kv, sliding, reserved, salt, self.codec.encode)
+        return self._file_blocks(
+            agent_id, token_ids, full_kv, sliding, reserved, salt, self.codec.encode, self._allocate_one
+        )
 
     def _file_blocks(
         self,
@@ -214,12 +217,13 @@ class AgentCacheStore:
         reserved: list[int],
         salt: str | None,
         encode: Callable[[Any], Any],
+        allocate: Callable[[], int],
     ) -> list[int]:
-        """The agent's cache as pool blocks (shared ones reused, the rest copied out by `encode`)."""
+        """The agent's cache as pool blocks (shared ones reused, the rest copied out by `encode`
+        into blocks from `reserved`, then from `allocate`)."""
         spare = list(reserved)
-        block_ids = file_blocks(
-            self.pool, self.spec.block_size, token_ids, full_kv, spare, salt, encode, self._allocate_one
-        )
+        block_size = self.spec.block_size
+        block_ids = file_blocks(self.pool, block_size, token_ids, full_kv, spare, salt, encode, allocate)
         previous = self.agents.get(agent_id)
         num_running = previous.num_running if previous else 0
         self.agents[agent_id] = AgentCache(
@@ -246,6 +250,9 @@ class AgentCacheStore:
     def _allocate_one(self) -> int:
         if not self.pool.can_allocate(1):
             self.evict_until(1)
+        return self.pool.allocate(1)[0]
+
+    def _allocate_unevicting(self) -> int:
         return self.pool.allocate(1)[0]
 
     def pin(self, agent_id: str) -> None:
@@ -291,12 +298,14 @@ class AgentCacheStore:
 
     def restore(self, snapshot: HostSnapshot, salt: str | None = None) -> None:
         """Put a snapshot read from disk back into the pool as this agent's cache, its full blocks
-        (copied once, from the file's arrays) filed under the salt of the turn that needs it."""
+        (copied once, from the file's arrays) filed under the salt of the turn that needs it. It
+        evicts nothing (the engine makes room first, sparing queued requests' caches): without
+        enough free blocks it raises PoolExhaustedError and takes none."""
         self.drop(snapshot.agent_id)
         num_tokens = len(snapshot.token_ids)
         needed = self.spec.num_blocks_for(num_tokens) - len(self.held_block_ids(snapshot.token_ids, salt))
         if not self.pool.can_allocate(needed):
-            self.evict_until(needed)
+            raise PoolExhaustedError(f"{needed} blocks needed, {self.pool.num_free_blocks} free")
         full_kv = [
             (keys[..., :num_tokens, :], values[..., :num_tokens, :])
             for keys, values in snapshot.full_layers
@@ -308,4 +317,5 @@ class AgentCacheStore:
         def encode(array: np.ndarray) -> Any:
             return self.codec.encode_host(array, snapshot.dtype)
 
-        self._file_blocks(snapshot.agent_id, snapshot.token_ids, full_kv, sliding, [], salt, encode)
+        allocate = self._allocate_unevicting
+        self._file_blocks(snapshot.agent_id, snapshot.token_ids, full_kv, sliding, [], salt, encode, allocate)

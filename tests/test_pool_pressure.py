@@ -114,3 +114,52 @@ def test_a_request_no_running_sequence_can_make_room_for_fails_instead_of_waitin
         assert isinstance(error, EngineError) and "nothing running to free more" in str(error)
     finally:
         pool.free(lost)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_idle_caches_are_evicted_to_restore_a_cache_from_disk(
+    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The pool is full of idle caches when an agent whose cache is on disk returns: the engine
+    evicts the least recently used of them (the store never evicts on its own) and the turn
+    resumes from disk with the cold reply."""
+    config = SystemConfig(
+        engine=EngineConfig(model=str(default_model_dir), cache_budget_mb=48),  # 4 blocks of 256 tokens
+        cache_dir=tmp_path_factory.mktemp("cache"),
+    )
+    system = AgentSystem(config)
+    await system.start()
+    try:
+        block_size = system.engine.model.spec.block_size
+        persistence = system.models.persistence
+        assert persistence is not None
+        sampling = SamplingParams(max_tokens=4)
+        prompts = {
+            name: user_turn(system, f"{topic} " * 100, first=True)
+            for name, topic in (
+                ("returning", "tell me more"),
+                ("older", "red green blue"),
+                ("newer", "one two three"),
+            )
+        }
+        assert all(block_size < len(prompt) < 2 * block_size - 16 for prompt in prompts.values())
+        first, _, _ = await run_turn(
+            await generate(system, AgentId("returning"), prompts["returning"], sampling)
+        )
+        assert await system.evict(AgentId("returning"))
+        for name in ("older", "newer"):  # two blocks each: the pool is full
+            await run_turn(await generate(system, AgentId(name), prompts[name], sampling))
+        report = await system.engine.ask(InspectPool())
+        assert report.num_blocks - len(set().union(*report.agent_id_to_block_ids.values())) < 2
+
+        follow_up = prompts["returning"] + first + user_turn(system, "And then?", first=False)
+        tokens, started, _ = await run_turn(
+            await generate(system, AgentId("returning"), follow_up, SamplingParams(max_tokens=6))
+        )
+
+        assert started.cache_tier == "disk"
+        report = await system.engine.ask(InspectPool())
+        assert not any("older" in agent for agent in report.agent_id_to_block_ids)
+        assert without_eos(system, tokens) == await cold_output(system, follow_up, 6)
+    finally:
+        await system.stop()
