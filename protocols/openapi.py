@@ -9,7 +9,7 @@ from aiohttp import web
 
 from semantic.actors.agent_id import MAX_AGENT_ID_LENGTH
 from semantic.engine.sampling import MAX_LOGIT_BIASES, MAX_TOP_LOGPROBS
-from semantic.protocols import agents, anthropic, completions, openai_reply, openai_wire
+from semantic.protocols import agents, anthropic, anthropic_reply, completions, openai_reply, openai_wire
 from semantic.protocols.admin import LoadModel
 from semantic.protocols.errors import AgentError, AnthropicError, OpenAIError
 
@@ -147,7 +147,7 @@ def _restrict(schema: dict[str, Any], limits: dict[str, Any]) -> None:
 def build() -> dict[str, Any]:
     wire_types = [
         anthropic.MessagesRequest,
-        anthropic.MessageResponse,
+        anthropic_reply.MessageResponse,
         anthropic.TokenCount,
         openai_wire.ChatCompletionRequest,
         openai_reply.ChatCompletion,
@@ -169,7 +169,7 @@ def build() -> dict[str, Any]:
                 "Anthropic Messages",
                 AnthropicError,
                 anthropic.MessagesRequest,
-                anthropic.MessageResponse,
+                anthropic_reply.MessageResponse,
                 True,
                 body_requires={"max_tokens": {"type": "integer", "minimum": 1}},  # not count_tokens
             )
