@@ -43,6 +43,7 @@ from semantic.actors.turns import (
 )
 from semantic.engine.commands import DropCache, NeedsRestore, RestoreCache, TakeCache
 from semantic.engine.engine import Engine
+from semantic.engine.errors import EngineError, LibraryPanic, is_panic
 from semantic.engine.messages import Finished, FinishReason, GenerationRequest
 from semantic.engine.request_stream import RequestStream
 from semantic.storage.conversation_file import ConversationRecord
@@ -121,7 +122,12 @@ class AgentActor:
     async def _handle(self, message: AgentMessage, reply: asyncio.Future[Any]) -> None:
         try:
             result = await self._dispatch(message, reply)
-        except Exception as error:
+        except BaseException as error:
+            if not isinstance(error, Exception):
+                if not is_panic(error):
+                    raise
+                logger.opt(exception=error).error("agent {}: a library panicked", self.agent_id)
+                error = LibraryPanic(f"{type(error).__name__}: {error}")
             if not reply.done():
                 reply.set_exception(error)
             return
@@ -276,6 +282,9 @@ class AgentActor:
             return False
         try:
             return await self._engine.ask(RestoreCache(cache, fingerprint, cache_salt))
+        except (EngineError, MemoryError) as error:  # the engine stopping, or short of memory: not the file
+            logger.info("agent {}: cache not restored now ({}); its turn computes it", agent_id, error)
+            return False
         except Exception as error:  # a file that passed its checks and still does not fit
             await persistence.quarantine(agent_id, f"could not restore it: {error}")
             return False

@@ -163,7 +163,15 @@ class AgentSystem:
         return len(prompt.token_ids)
 
     async def open_agent(self, agent_id: AgentId, system_prompt: str | None) -> None:
-        """Create (or reset) an agent's kept conversation with a system prompt."""
+        """Create (or reset) an agent's kept conversation with a system prompt; one that alone is
+        obviously over the prompt limits is refused (PromptTooLongError, PromptLimitError) before
+        anything is written."""
+        if system_prompt:
+            loaded = (await self.models.ready()).loaded
+            bound = PromptBound(
+                loaded.max_chars_per_token, loaded.context_length, self.config.max_prompt_tokens
+            )
+            bound.refuse_obviously_long(system_prompt)
         await self._actor(AgentId(agent_id)).ask(OpenConversation(system_prompt))
 
     async def open(self, agent_id: str, system_prompt: str | None = None, resume: bool = True) -> AgentHandle:

@@ -114,26 +114,29 @@ class ChatFormat:
 def _merge_consecutive(messages: list[ChatMessage]) -> list[ChatMessage]:
     """Join back-to-back user (or assistant) turns and move late system messages into user turns:
     templates demand alternating roles and a single leading system message."""
-    merged: list[ChatMessage] = []
+    runs: list[tuple[ChatMessage, list[str]]] = []  # a message, and the texts it stands for
     for index, message in enumerate(messages):
         role = message["role"]
         if role == "system" and index > 0:
             message = {"role": "user", "content": message.get("content") or ""}
             role = "user"
-        previous = merged[-1] if merged else None
-        if (
-            previous is not None
-            and role in ("user", "assistant")
-            and previous["role"] == role
-            and not previous.get("tool_calls")
-            and not message.get("tool_calls")
-            and isinstance(previous.get("content"), str)
-            and isinstance(message.get("content"), str)
-        ):
-            merged[-1] = {**previous, "content": previous["content"] + "\n\n" + message["content"]}
-        else:
-            merged.append(message)
-    return merged
+        content = message.get("content")
+        if runs:
+            previous, texts = runs[-1]
+            if (
+                role in ("user", "assistant")
+                and previous["role"] == role
+                and not previous.get("tool_calls")
+                and not message.get("tool_calls")
+                and texts
+                and isinstance(content, str)
+            ):
+                texts.append(content)  # joined once below: a long run costs linear time
+                continue
+        runs.append((message, [content] if isinstance(content, str) else []))
+    return [
+        message if len(texts) < 2 else {**message, "content": "\n\n".join(texts)} for message, texts in runs
+    ]
 
 
 def _hermes_messages(messages: list[ChatMessage], tools: list[dict[str, Any]] | None) -> list[ChatMessage]:

@@ -7,6 +7,7 @@ in its inbox and awaits replies, so nothing here takes a lock.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 import weakref
@@ -24,7 +25,6 @@ from semantic.engine.loading import LoadedModel
 from semantic.engine.lockstep import Leader
 from semantic.engine.messages import EventChannel, GenerationRequest
 from semantic.engine.request_stream import RequestStream
-from semantic.engine.sampling import SamplingParams
 from semantic.engine.serving import ServingCore
 
 __all__ = [
@@ -170,15 +170,7 @@ class Engine:
         if num_prompt >= limit:
             raise PromptTooLongError(num_prompt, limit)
         if num_prompt + request.sampling.max_tokens > limit:
-            sampling = request.sampling
-            request.sampling = SamplingParams(
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                max_tokens=limit - num_prompt,
-                stop=sampling.stop,
-                seed=sampling.seed,
-            )
+            request.sampling = dataclasses.replace(request.sampling, max_tokens=limit - num_prompt)
         events = EventChannel(asyncio.get_running_loop())
         if self.layout is not None:
             self._open.add(events)

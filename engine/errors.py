@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 
 class EngineError(RuntimeError):
     pass
@@ -26,3 +28,18 @@ class PromptTooLongError(ValueError):
         )
         self.num_tokens = num_tokens
         self.limit = limit
+
+
+class LibraryPanic(RuntimeError):
+    """A library's panic (pyo3's PanicException, from tokenizers or llguidance, derives from
+    BaseException), raised again as an ordinary error: it fails the request it came from, not the
+    engine thread or the task group it would otherwise escape into."""
+
+
+_STOPS = KeyboardInterrupt | SystemExit | GeneratorExit | asyncio.CancelledError
+
+
+def is_panic(error: BaseException) -> bool:
+    """Whether `error` is neither an ordinary Exception nor a way to stop (interrupt, exit,
+    cancellation, a generator's close): what only a library's panic is."""
+    return not isinstance(error, Exception | _STOPS)

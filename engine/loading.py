@@ -40,16 +40,19 @@ class LoadedModel:
         return set(self.tokenizer.eos_token_ids)
 
     @property
-    def vocab_size(self) -> int:
-        return int(self.tokenizer.vocab_size)
+    def num_embedding_rows(self) -> int:
+        """How many token ids the model reads and scores (its embedding's rows; the tokenizer's
+        length, added tokens included, where the model's config does not say): the bound on token
+        ids read back from disk. Not the tokenizer's `vocab_size`, which leaves out added tokens
+        (Qwen's and Llama 3's chat markers lie above it)."""
+        args = getattr(self.model, "args", None)
+        return int(getattr(args, "vocab_size", 0) or len(self.tokenizer))
 
     @property
     def num_token_ids(self) -> int:
-        """How many token ids a request may name: those the model scores (its embedding's rows) and
-        the tokenizer can write (added tokens included; a padded embedding has rows past them)."""
-        args = getattr(self.model, "args", None)
-        num_logits = int(getattr(args, "vocab_size", 0) or len(self.tokenizer))
-        return min(num_logits, len(self.tokenizer))
+        """How many token ids a request may name: those the model scores and the tokenizer can
+        write (added tokens included; a padded embedding has rows past them)."""
+        return min(self.num_embedding_rows, len(self.tokenizer))
 
 
 def is_default_model(source: str) -> bool:

@@ -34,7 +34,7 @@ from semantic.engine.commands import (
 from semantic.engine.config import EngineConfig, EngineStats
 from semantic.engine.core import EngineCore
 from semantic.engine.distributed import GroupLostError
-from semantic.engine.errors import EngineError
+from semantic.engine.errors import EngineError, LibraryPanic, is_panic
 from semantic.engine.lockstep import Leader, Lockstep, clock_now
 
 
@@ -106,10 +106,28 @@ class ServingCore(EngineCore):
                 except GroupLostError as error:
                     self._lose_group(error, messages)
                     return
+                except BaseException as error:
+                    if not (isinstance(error, Exception) or is_panic(error)):
+                        raise
+                    failure = error if isinstance(error, Exception) else LibraryPanic(repr(error))
+                    if leader is not None:  # the other ranks ran this tick whole: they cannot follow
+                        self._lose_group(failure, messages)
+                        return
+                    self._survive_failed_tick(failure)
             if self._is_busy:
                 remaining = self.config.tick_s - (time.perf_counter() - tick_start)
                 if remaining > 0:
                     self._pending = self._take_messages(block=True, timeout=remaining)
+
+    def _survive_failed_tick(self, error: Exception) -> None:
+        """A tick failed where nothing should (an allocation, an MLX error while admitting or
+        keeping caches): the requests in flight fail with it, not the engine, which serves on."""
+        logger.opt(exception=error).error("an engine tick failed ({}); failing the requests in flight", error)
+        self.stats.num_tick_failures += 1
+        self._fail_everything(EngineError(f"the engine failed this request: {type(error).__name__}: {error}"))
+        self._flush()
+        self._check_drains()
+        self._update_stats()
 
     def _lose_group(self, error: Exception, messages: list[Message]) -> None:
         """A rank is gone: fail every request and ask (those taken this tick too) and stop serving."""

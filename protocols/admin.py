@@ -11,6 +11,7 @@ from semantic.actors.model_session import ModelLoadError, ModelUnavailableError,
 from semantic.engine.registry import UnknownModelError
 from semantic.protocols.common import SYSTEM_KEY
 from semantic.protocols.errors import agent_error
+from semantic.protocols.tenancy import require_admin
 
 
 class LoadModel(msgspec.Struct, forbid_unknown_fields=True):
@@ -19,6 +20,7 @@ class LoadModel(msgspec.Struct, forbid_unknown_fields=True):
 
 async def load_model(request: web.Request) -> web.Response:
     """Switch the loaded model now (drain, flush, unload, load); 200 with the swap's phases."""
+    require_admin(request)
     system = request.app[SYSTEM_KEY]
     try:
         body = msgspec.json.decode(await request.read(), type=LoadModel)
@@ -42,6 +44,7 @@ async def load_model(request: web.Request) -> web.Response:
 
 async def unload_model(request: web.Request) -> web.Response:
     """Flush every agent's cache and drop the model; the next request loads it again."""
+    require_admin(request)
     system = request.app[SYSTEM_KEY]
     report = await system.models.unload()
     memory = {"active_memory_before_first_load": system.models.active_memory_before_load}

@@ -23,7 +23,7 @@ from semantic.protocols.anthropic_wire import (
 )
 from semantic.protocols.common import SYSTEM_KEY, SseWriter, json_response
 from semantic.protocols.errors import ApiError
-from semantic.protocols.observe import admit
+from semantic.protocols.observe import admit, check_bounds
 from semantic.protocols.pipeline import TurnReply, answer_turn, sampling_params
 from semantic.protocols.tenancy import request_agent_id, scoped_cache_salt
 
@@ -84,6 +84,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 async def count_tokens(request: web.Request) -> web.Response:
     turn = to_turn(request, decode_request(await request.read()), counting=True)
+    check_bounds(request, num_messages=len(turn.messages), num_tools=len(turn.tools or ()))
     admit(request, turn.agent_id)
     num_tokens = await request.app[SYSTEM_KEY].count_tokens(turn)
     return json_response(TokenCount(num_tokens))

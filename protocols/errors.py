@@ -100,6 +100,11 @@ class Unauthorized(ApiError):
     kind = "authentication_error"
 
 
+class Forbidden(ApiError):
+    status = 403
+    kind = "permission_error"
+
+
 class Overloaded(ApiError):
     """Past the concurrency or queue limit: 429 (never a 5xx; clients retry after Retry-After)."""
 
@@ -142,7 +147,8 @@ class InternalError(ApiError):
 def as_api_error(error: BaseException) -> ApiError:
     """The one place a failure becomes a status: the same condition gets the same status on every API.
 
-    Bad input is 400 (ValueError and its kin: ids, content, templates, prompt length, sampling);
+    Bad input is 400 (ValueError and its kin: ids, content, templates, prompt length, sampling; JSON
+    nested deeper than the recursion limit);
     unknown models 404; a full mailbox 429; the model or an agent not available now 503; anything
     else is our fault: 500, logged with the request id.
     """
@@ -159,6 +165,8 @@ def as_api_error(error: BaseException) -> ApiError:
             return ApiError(f"invalid request body: {error}")
         case msgspec.DecodeError():
             return ApiError(f"request body is not valid JSON: {error}")
+        case RecursionError():  # JSON nested past the decoders' depth (Python's recursion limit)
+            return ApiError(f"request nests JSON too deeply: {error}")
         case ValueError():
             return ApiError(str(error))
     logger.opt(exception=error).error("internal error: {}", error)

@@ -127,6 +127,11 @@ class _SystemCollector(Collector):
             "semantic_evictions", "Agent caches evicted from memory", stats.num_evictions
         )
         yield CounterMetricFamily(
+            "semantic_engine_tick_failures",
+            "Engine ticks that raised; their requests failed and the engine served on",
+            stats.num_tick_failures,
+        )
+        yield CounterMetricFamily(
             "semantic_evicted_caches_dropped",
             "Evicted caches not written: too many bytes already waited for the disk",
             self.system.models.evicted_writes.num_dropped,

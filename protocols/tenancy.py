@@ -11,6 +11,7 @@ The keys file (TOML):
 
     share_prefix_blocks = false    # true: namespaces share prefix KV blocks (faster, but leaks
                                    # through cached_tokens whether another key sent a prefix)
+    admin = ["alice"]              # namespaces whose keys may load and unload models (/admin)
     [keys]
     "sk-alice-6f1c0e9b2d7a4c85" = "alice"
     "sk-bob-0d93b1f7a2e64c18" = "bob"
@@ -32,7 +33,7 @@ from loguru import logger
 
 from semantic.actors.agent_id import NAMESPACE_PATTERN, AgentId, agent_id_from
 from semantic.config import ServerSection
-from semantic.protocols.errors import Unauthorized
+from semantic.protocols.errors import Forbidden, Unauthorized
 
 MAX_CACHE_SALT_LENGTH = 256
 # The `cache_salt` request field (as in vLLM): requests share prefix blocks only with the same salt.
@@ -48,6 +49,7 @@ class KeysFileError(ValueError):
 class Tenant:
     namespace: str
     isolates_prefix_blocks: bool
+    is_admin: bool = False  # may load and unload models, which drains every namespace's requests
 
 
 TENANT_KEY = web.RequestKey("tenant", Tenant)
@@ -56,6 +58,7 @@ TENANT_KEY = web.RequestKey("tenant", Tenant)
 class _KeysFile(msgspec.Struct, forbid_unknown_fields=True):
     keys: dict[str, str]
     share_prefix_blocks: bool = False
+    admin: list[str] = msgspec.field(default_factory=list)
 
 
 class Tenancy:
@@ -76,14 +79,18 @@ class Tenancy:
     @classmethod
     def from_file(cls, path: Path) -> Tenancy:
         """Read and check a keys file; raises KeysFileError saying what is wrong (never a key)."""
-        usage = 'expected `share_prefix_blocks = true|false` and a [keys] table of "KEY" = "namespace"'
+        usage = (
+            'expected `share_prefix_blocks = true|false`, `admin = ["namespace", ...]` and a [keys] '
+            'table of "KEY" = "namespace"'
+        )
         try:
             data = tomllib.loads(path.read_text())
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
             raise KeysFileError(f"cannot read the API keys file {path}: {error}") from None
         keys = data.get("keys")
-        if isinstance(keys, dict) and "share_prefix_blocks" in keys:
-            raise KeysFileError(f"API keys file {path}: share_prefix_blocks must come before [keys]")
+        for setting in ("share_prefix_blocks", "admin"):
+            if isinstance(keys, dict) and setting in keys:
+                raise KeysFileError(f"API keys file {path}: {setting} must come before [keys]")
         try:
             parsed = msgspec.convert(data, _KeysFile)
         except msgspec.ValidationError as error:
@@ -101,10 +108,15 @@ class Tenancy:
                     f"API keys file {path}: key #{number} has namespace {namespace[:40]!r}: use 1 to 32 "
                     "letters, digits, '-' or '_', not starting with '-'"
                 )
+        unknown = sorted(set(parsed.admin) - set(parsed.keys.values()))
+        if unknown:
+            raise KeysFileError(f"API keys file {path}: admin names {unknown[0]!r}, which no key has")
         if path.stat().st_mode & 0o077:
             logger.warning("API keys file {} is readable by other users; chmod 600 it", path)
-        isolates = not parsed.share_prefix_blocks
-        return cls({key: Tenant(namespace, isolates) for key, namespace in parsed.keys.items()})
+        isolates, admins = not parsed.share_prefix_blocks, set(parsed.admin)
+        return cls(
+            {key: Tenant(namespace, isolates, namespace in admins) for key, namespace in parsed.keys.items()}
+        )
 
     def tenant_of(self, given: str) -> Tenant | None:
         """The tenant of an API key as sent; raises Unauthorized for no key or an unknown one."""
@@ -127,6 +139,17 @@ def _digest(key: str) -> bytes:
 
 
 # ---- the edge: what handlers call to turn a client's ids and salt into the caller's ----
+
+
+def require_admin(request: web.Request) -> None:
+    """Loading and unloading models drains every namespace's requests: with a keys file, only keys
+    of the namespaces it lists under `admin` may (403 for the others)."""
+    tenant = request.get(TENANT_KEY)
+    if tenant is not None and not tenant.is_admin:
+        raise Forbidden(
+            f"namespace {tenant.namespace!r} may not load or unload models; the API keys file's "
+            "`admin` lists the namespaces that may"
+        )
 
 
 def namespace_of(request: web.Request) -> str | None:

@@ -61,6 +61,19 @@ def scan_folder(agents_dir: Path) -> tuple[dict[AgentId, DiskEntry], dict[AgentI
     return index, uses
 
 
+def ignores_case(folder: Path) -> bool:
+    """Whether the file system under `folder` (created if missing) takes names differing only in
+    case for one name, as macOS's and Windows' do by default: agent ids `Bob` and `bob` would then
+    share files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / f".Case-Probe-{os.getpid()}-{time.time_ns()}.tmp"
+    probe.touch()
+    try:
+        return (folder / probe.name.lower()).exists()
+    finally:
+        probe.unlink(missing_ok=True)
+
+
 def write_and_measure(path: Path, cache: SerializedCache, identity: CacheIdentity) -> int:
     """Write an agent's cache file; returns its size."""
     write_cache_file(path, cache, identity)

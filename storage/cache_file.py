@@ -48,7 +48,7 @@ def identity_of(loaded: LoadedModel) -> CacheIdentity:
         loaded.fingerprint,
         loaded.spec.block_size,
         loaded.spec.to_dict(),
-        loaded.vocab_size,
+        loaded.num_embedding_rows,
         loaded.layout.shard if loaded.layout is not None else "",
     )
 
@@ -128,6 +128,17 @@ def read_cache_file(path: Path, identity: CacheIdentity, agent_id: str | None = 
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError, json.JSONDecodeError) as error:
         raise CacheFileError(f"unreadable cache file: {error}") from error
+    try:
+        return _verified(metadata, tensors, identity, agent_id)
+    except CacheFileError:
+        raise
+    except (KeyError, TypeError, ValueError, RecursionError) as error:  # metadata another writer made
+        raise CacheFileError(f"bad metadata: {type(error).__name__}: {error}") from error
+
+
+def _verified(
+    metadata: dict[str, str], tensors: dict[str, np.ndarray], identity: CacheIdentity, agent_id: str | None
+) -> SerializedCache:
     version = metadata.get("format_version")
     if version not in READABLE_VERSIONS:
         raise CacheFileError(f"format version {version!r}, expected one of {', '.join(READABLE_VERSIONS)}")
@@ -149,11 +160,13 @@ def read_cache_file(path: Path, identity: CacheIdentity, agent_id: str | None = 
     if agent_id is not None and metadata.get("agent_id") != agent_id:
         raise CacheFileError(f"written for agent {metadata.get('agent_id')!r}, not {agent_id!r}")
     tokens = tensors.get("tokens")
-    try:
-        num_tokens = int(metadata["num_tokens"])
-        sliding_meta = json.loads(metadata["sliding_meta"])
-    except (KeyError, ValueError) as error:
-        raise CacheFileError(f"bad metadata: {error}") from error
+    num_tokens = int(metadata["num_tokens"])
+    sliding_meta = json.loads(metadata["sliding_meta"])
+    if not isinstance(sliding_meta, list) or not all(
+        isinstance(meta, list) and len(meta) == 4 and all(type(value) is int for value in meta)
+        for meta in sliding_meta
+    ):
+        raise CacheFileError("sliding_meta is not a list of [offset, keep, max_size, idx] integers")
     if tokens is None or tokens.ndim != 1 or len(tokens) != num_tokens:
         raise CacheFileError("token list missing or not as long as the metadata says")
     short = [

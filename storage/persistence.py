@@ -24,6 +24,7 @@ from semantic.storage.agents_folder import (
     CONVERSATION_SUFFIX,
     SUFFIX,
     DiskEntry,
+    ignores_case,
     move_aside,
     read_and_touch,
     scan_folder,
@@ -58,9 +59,20 @@ class PersistenceStoppedError(RuntimeError):
     pass
 
 
+NAMES_ONE_AGENT = LoadCache | DeleteAgent | SaveConversation | LoadConversation | QuarantineCache
+
+
+class AgentIdCollisionError(ValueError):
+    """On a disk that ignores case, an agent id that differs only in case from one with files."""
+
+
 class PersistenceActor:
     def __init__(
-        self, cache_dir: Path, identity: CacheIdentity, disk_budget_bytes: int | None = None
+        self,
+        cache_dir: Path,
+        identity: CacheIdentity,
+        disk_budget_bytes: int | None = None,
+        ignores_case: bool | None = None,  # None: ask the file system at start
     ) -> None:
         self.identity = identity
         self.disk_budget = DiskBudget(disk_budget_bytes)  # owned by the actor's task, as the index
@@ -70,6 +82,7 @@ class PersistenceActor:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semantic-persist")
         self._task: asyncio.Task[None] | None = None
         self._index: dict[AgentId, DiskEntry] = {}  # owned by the actor's task
+        self.ignores_case = ignores_case
         self.num_writes = 0
         self.num_loads = 0
         self.num_quarantined = 0
@@ -80,6 +93,8 @@ class PersistenceActor:
     # ---- the asking side ----
 
     async def start(self) -> None:
+        if self.ignores_case is None:
+            self.ignores_case = await self._io(ignores_case, self.agents_dir)
         self._index, self.disk_budget.files = await self._io(scan_folder, self.agents_dir)
         await self._keep_within_budget()  # the budget may be smaller than last time
         self._task = asyncio.get_running_loop().create_task(self._run(), name="semantic-persistence")
@@ -168,7 +183,26 @@ class PersistenceActor:
                 reply.set_result(result)
         return not isinstance(message, StopPersistence)
 
+    def _collides(self, agent_id: AgentId) -> AgentId | None:
+        """On a disk that ignores case, the agent with files whose id differs from `agent_id` only
+        in case (its files are `agent_id`'s files there)."""
+        if not self.ignores_case:
+            return None
+        folded = agent_id.casefold()
+        others = (other for other in self._index if other != agent_id and other.casefold() == folded)
+        return next(others, None)
+
+    def _refuse_collision(self, agent_id: AgentId) -> None:
+        other = self._collides(agent_id)
+        if other is not None:
+            raise AgentIdCollisionError(
+                f"agent id {agent_id.local_id!r} names the same files as agent {other.local_id!r} on this "
+                "server's disk, which ignores case; use another id"
+            )
+
     async def _handle(self, message: PersistenceMessage) -> Any:
+        if isinstance(message, NAMES_ONE_AGENT):
+            self._refuse_collision(message.agent_id)
         match message:
             case SaveCaches(caches=caches):
                 return [agent_id for cache in caches if (agent_id := await self._save(cache)) is not None]
@@ -198,6 +232,9 @@ class PersistenceActor:
 
     async def _save(self, cache: SerializedCache) -> AgentId | None:
         agent_id = AgentId(cache.agent_id)
+        if (other := self._collides(agent_id)) is not None:
+            logger.warning("not writing the cache of {}: its file is {}'s on this disk", agent_id, other)
+            return None
         num_bytes = sum(tensor.nbytes for tensor in cache.tensors.values())
         if not self.disk_budget.fits(num_bytes):
             logger.warning(

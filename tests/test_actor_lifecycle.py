@@ -6,8 +6,11 @@ import asyncio
 import gc
 from pathlib import Path
 
+import pytest
+
 from semantic import AgentSystem, EngineConfig, SamplingParams, SystemConfig, TurnRequest
 from semantic.actors.agent_id import AgentId
+from semantic.engine.errors import LibraryPanic
 from tests.waiting import wait_until_async
 
 NUM_ONE_OFF_IDS = 20_000
@@ -89,3 +92,37 @@ async def test_an_anonymous_request_gets_an_actor_that_ends_with_it(
         await started.committed
         await wait_for_reaping(system)
         assert system.num_live_actors == 0
+
+
+class PanicException(BaseException):
+    """What pyo3 raises when a Rust library (tokenizers, llguidance) panics: not an Exception."""
+
+
+async def test_a_library_panic_fails_its_turn_and_the_system_serves_on(
+    default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = SystemConfig(
+        engine=EngineConfig(model=str(default_model_dir), cache_budget_mb=256), cache_dir=tmp_path
+    )
+    async with AgentSystem(config) as system:
+        tokenize = system.models.tokenize
+        panics = [PanicException("called `Option::unwrap()` on a `None` value")]
+
+        async def panics_once(*args: object) -> object:
+            if panics:
+                raise panics.pop()
+            return await tokenize(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(system.models, "tokenize", panics_once)
+
+        def turn() -> TurnRequest:
+            return TurnRequest(
+                "t", AgentId("steady"), [{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=4)
+            )
+
+        with pytest.raises(LibraryPanic, match="PanicException: called `Option::unwrap"):
+            await system.start_turn(turn())
+        started = await system.start_turn(turn())  # the same agent, the same system
+        async for _ in started.stream:
+            pass
+        await started.committed

@@ -57,6 +57,11 @@ def test_agent_lifecycle_and_errors(server_factory, default_model_dir: Path) -> 
     status, created = call(server, "POST", "/v1/agents", {})
     assert status == 201 and created["id"].startswith("agent-")
     assert call(server, "POST", "/v1/agents", {"id": created["id"]})[0] == 409
+    # A system prompt that could never fit the context is refused before anything is written.
+    status, body = call(server, "POST", "/v1/agents", {"id": "verbose", "system": "word " * 2_000_000})
+    assert status == 400 and "tokens" in body["error"]["message"], body
+    assert call(server, "GET", "/v1/agents/verbose")[0] == 404
+    assert not list(server.cache_dir.glob("agents/*/verbose.*"))
     status, body = call(server, "POST", f"/v1/agents/{created['id']}/messages", {})
     assert status == 400 and "content" in body["error"]["message"]
     status, body = call(server, "POST", f"/v1/agents/{created['id']}/messages", {"content": "x", "top_p": 2})

@@ -90,6 +90,39 @@ def test_any_flipped_bit_in_the_tensors_is_caught(
         read_cache_file(path, IDENTITY)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    field=st.sampled_from(
+        ["format_version", "cache_spec", "num_tokens", "sliding_meta", "agent_id", "checksum", "layout"]
+    ),
+    value=st.one_of(
+        st.sampled_from(["", "null", "{", "[[1]]", "[[1, 2, 3, 4.5]]", '"x"', "-1", "1e9", "[" * 5000]),
+        st.text(max_size=40),
+    ),
+    drop=st.booleans(),
+)
+def test_metadata_another_writer_made_is_refused_as_a_cache_file_error(
+    tmp_path_factory: pytest.TempPathFactory, field: str, value: str, drop: bool
+) -> None:
+    """A file from another version, or another program, with any metadata field missing or holding
+    anything: the reader says CacheFileError (the file is quarantined), never another exception
+    (which would fail the agent's turns for as long as the file stays)."""
+    path = tmp_path_factory.mktemp("metadata") / "a.safetensors"
+    cache = a_cache()
+    write_cache_file(path, cache, IDENTITY)
+    metadata = metadata_of(path)
+    if drop:
+        del metadata[field]
+    else:
+        metadata[field] = value
+    save_file(load_file(str(path)), str(path), metadata=metadata)
+    try:
+        read = read_cache_file(path, IDENTITY, "agent-1")
+    except CacheFileError:
+        return
+    assert_same(read, cache)  # only a harmless change reads back, and then as written
+
+
 def test_a_strided_tensor_is_written_as_its_elements(tmp_path: Path) -> None:
     """safetensors writes a strided array's memory as is; the writer must hand it elements."""
     cache = a_cache()

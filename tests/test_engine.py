@@ -134,9 +134,24 @@ async def test_prompt_longer_than_context_is_refused_with_numbers(engine: Engine
         submit(engine, [1] * (limit + 5))
 
 
-async def test_max_tokens_is_clamped_to_context(engine: Engine) -> None:
-    stream = submit(engine, chat(engine, "Hi"), max_tokens=10**6)
-    assert stream.request.sampling.max_tokens == engine.model.context_length - len(chat(engine, "Hi"))
+async def test_max_tokens_is_clamped_to_context_keeping_every_other_option(engine: Engine) -> None:
+    options: dict[str, object] = dict(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        stop=("\n",),
+        seed=3,
+        top_logprobs=2,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repetition_penalty=1.1,
+        logit_bias=((42, 3.0),),
+    )
+    stream = submit(engine, chat(engine, "Hi"), max_tokens=10**6, **options)
+    sampling = stream.request.sampling
+    assert sampling.max_tokens == engine.model.context_length - len(chat(engine, "Hi"))
+    assert {name: getattr(sampling, name) for name in options} == options
     stream.cancel()
     async for _ in stream:
         pass

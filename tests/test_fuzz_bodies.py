@@ -117,3 +117,45 @@ def test_generated_bodies_never_get_a_5xx(server: ServerProcess, path: str) -> N
             assert error["message"], reply
 
     check()
+
+
+def send_raw(server: ServerProcess, path: str, data: bytes) -> tuple[int, bytes]:
+    request = urllib.request.Request(
+        server.base_url + path, data=data, headers={"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+DEPTH = 50_000
+DEEP_LIST = "[" * DEPTH + "]" * DEPTH
+DEEP_OBJECT = '{"a":' * DEPTH + "1" + "}" * DEPTH
+DEEP_BODIES = {  # LIST and OBJECT stand for the deep values: in a field no API has, or one of any JSON
+    "/v1/messages": [
+        '{"max_tokens":2,"messages":[{"role":"user","content":"hi"}],"junk":LIST}',
+        '{"max_tokens":2,"messages":[{"role":"user","content":"hi"}],"tools":[{"name":"t","input_schema":OBJECT}]}',
+    ],
+    "/v1/chat/completions": [
+        '{"max_tokens":2,"messages":[{"role":"user","content":"hi"}],"junk":LIST}',
+        '{"max_tokens":2,"messages":[{"role":"user","content":"hi"}],'
+        '"tools":[{"type":"function","function":{"name":"f","parameters":OBJECT}}]}',
+        '{"max_tokens":2,"messages":[{"role":"user","content":"hi"},{"role":"assistant","tool_calls":'
+        '[{"id":"c","type":"function","function":{"name":"f","arguments":"LIST"}}]},'
+        '{"role":"tool","tool_call_id":"c","content":"ok"}]}',
+    ],
+    "/v1/agents/fuzz/messages": ['{"max_tokens":2,"content":"hi","junk":LIST}'],
+}
+
+
+@pytest.mark.parametrize("path", list(FIELDS))
+def test_bodies_nested_past_any_decoder_get_a_400(server: ServerProcess, path: str) -> None:
+    """JSON nested deeper than a recursive decoder follows (in a field, a tool's schema, or a tool
+    call's arguments string) is bad input: a 400 in the API's error shape, not a 500."""
+    for body in DEEP_BODIES[path]:
+        data = body.replace("LIST", DEEP_LIST).replace("OBJECT", DEEP_OBJECT).encode()
+        status, reply = send_raw(server, path, data)
+        assert status == 400, (status, reply[:300])
+        assert "nest" in json.loads(reply)["error"]["message"], reply[:300]

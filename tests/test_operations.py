@@ -194,6 +194,8 @@ def test_bounds_are_refused_with_the_limit(server: ServerProcess) -> None:
         anthropic.BadRequestError, match=r"tools: 3 is more than .* \(2, set by limits.max_tools"
     ):
         client.messages.create(model="claude-local", max_tokens=4, messages=QUESTION, tools=tools)  # type: ignore[arg-type]
+    with pytest.raises(anthropic.BadRequestError, match=r"messages: 41 is more than"):
+        client.messages.count_tokens(model="claude-local", messages=QUESTION * 41)  # counting is bounded too
     oai = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError, match=r"messages: 41 is more than"):
         oai.chat.completions.create(model="default", messages=QUESTION * 41)  # type: ignore[arg-type]

@@ -27,6 +27,7 @@ BLOCK_SIZE = 16  # small blocks: a short prompt already fills a few
 def keys_file(path: Path, share_prefix_blocks: bool = False) -> Path:
     path.write_text(
         f"share_prefix_blocks = {str(share_prefix_blocks).lower()}\n"
+        'admin = ["alice"]\n'
         f'[keys]\n"{ALICE}" = "alice"\n"{BOB}" = "bob"\n'
     )
     path.chmod(0o600)
@@ -233,6 +234,17 @@ def test_no_key_or_an_unknown_key_is_a_401_in_each_apis_shape(keyed_server: Serv
         assert reply.status == 200
 
 
+def test_only_admin_namespaces_load_or_unload_models(keyed_server: ServerProcess) -> None:
+    """A swap or unload drains every namespace's requests: bob's key may not, alice's (listed
+    under `admin`) gets past the check (to a 404 for a model that is not configured)."""
+    for path, body in (("/admin/models/unload", None), ("/admin/models/load", {"model": "default"})):
+        status, refused = api(keyed_server, "POST", path, body, key=BOB)
+        assert status == 403 and refused["error"]["type"] == "permission_error", refused
+        assert "namespace 'bob' may not load or unload models" in refused["error"]["message"]
+    status, reply = api(keyed_server, "POST", "/admin/models/load", {"model": "no-such-model"}, key=ALICE)
+    assert status == 404, reply
+
+
 def test_shared_prefix_blocks_when_the_operator_allows_and_namespaces_survive_a_restart(
     default_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -285,6 +297,14 @@ def check_startup(tmp_path: Path, **server: Any) -> str:
         ('[keys]\n"sk-alice-0123456789abcdef" = "al ice"\n', "has namespace 'al ice'"),
         ('[keys]\n"sk-alice-0123456789abcdef" = "~x"\n', "has namespace '~x'"),
         ('[keys]\n"sk-alice-0123456789abcdef" = 3\n', "Expected `str`"),
+        (
+            'admin = ["bob"]\n[keys]\n"sk-alice-0123456789abcdef" = "alice"\n',
+            "admin names 'bob', which no key",
+        ),
+        (
+            '[keys]\n"sk-alice-0123456789abcdef" = "alice"\nadmin = ["alice"]\n',
+            "admin must come before [keys]",
+        ),
     ],
 )
 def test_a_bad_keys_file_stops_the_server_at_start_up(
