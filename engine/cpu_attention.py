@@ -27,6 +27,8 @@ from __future__ import annotations
 import mlx.core as mx
 from loguru import logger
 
+from semantic.engine.shape_bound_compile import ShapeBoundCompile
+
 LOG2_E = 1.4426950408889634
 # Below 2^-126 a float32 is denormal; such weights are zero next to the row's maximum (weight 1).
 MIN_EXPONENT = -126.0
@@ -74,7 +76,7 @@ class _Kernels:
 
     def __init__(self, compiled: bool) -> None:
         self.compiled = compiled
-        self._factors = mx.compile(_log2_factors) if compiled else None
+        self._factors = ShapeBoundCompile(_log2_factors) if compiled else None
 
     def _exp(self, shifted: mx.array) -> mx.array:
         if self._factors is None:

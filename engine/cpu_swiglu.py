@@ -16,6 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from semantic.engine.cpu_attention import LOG2_E, exp2_factors, jit_works
+from semantic.engine.shape_bound_compile import ShapeBoundCompile
 
 
 def _exp_factors(gate: mx.array) -> tuple[mx.array, mx.array]:
@@ -32,8 +33,8 @@ class _Kernels:
     the bit-cast between them stays outside), MLX's ops otherwise."""
 
     def __init__(self, compiled: bool) -> None:
-        self.factors = mx.compile(_exp_factors) if compiled else _exp_factors
-        self.rest = mx.compile(_swiglu_of) if compiled else _swiglu_of
+        self.factors = ShapeBoundCompile(_exp_factors) if compiled else _exp_factors
+        self.rest = ShapeBoundCompile(_swiglu_of) if compiled else _swiglu_of
 
 
 _kernels: _Kernels | None = None
