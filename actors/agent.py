@@ -43,7 +43,7 @@ from semantic.actors.turns import (
 )
 from semantic.engine.commands import DropCache, NeedsRestore, RestoreCache, TakeCache
 from semantic.engine.engine import Engine
-from semantic.engine.errors import EngineError, LibraryPanic, is_panic
+from semantic.engine.errors import EngineError, LibraryPanic, as_ordinary
 from semantic.engine.messages import Finished, FinishReason, GenerationRequest
 from semantic.engine.request_stream import RequestStream
 from semantic.storage.conversation_file import ConversationRecord
@@ -122,12 +122,10 @@ class AgentActor:
     async def _handle(self, message: AgentMessage, reply: asyncio.Future[Any]) -> None:
         try:
             result = await self._dispatch(message, reply)
-        except BaseException as error:
-            if not isinstance(error, Exception):
-                if not is_panic(error):
-                    raise
-                logger.opt(exception=error).error("agent {}: a library panicked", self.agent_id)
-                error = LibraryPanic(f"{type(error).__name__}: {error}")
+        except BaseException as caught:
+            error = as_ordinary(caught)
+            if isinstance(error, LibraryPanic):
+                logger.opt(exception=caught).error("agent {}: a library panicked", self.agent_id)
             if not reply.done():
                 reply.set_exception(error)
             return

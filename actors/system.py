@@ -158,7 +158,7 @@ class AgentSystem:
     async def count_tokens(self, turn: TurnRequest) -> int:
         session = await self.models.ready(turn.model)
         loaded = session.loaded
-        bound = PromptBound(loaded.max_chars_per_token, loaded.context_length, self.config.max_prompt_tokens)
+        bound = PromptBound.of(loaded, self.config.max_prompt_tokens)
         prompt = await self.models.tokenize(prepare_stateless, session.chat, turn, bound)
         return len(prompt.token_ids)
 
@@ -168,10 +168,7 @@ class AgentSystem:
         anything is written."""
         if system_prompt:
             loaded = (await self.models.ready()).loaded
-            bound = PromptBound(
-                loaded.max_chars_per_token, loaded.context_length, self.config.max_prompt_tokens
-            )
-            bound.refuse_obviously_long(system_prompt)
+            PromptBound.of(loaded, self.config.max_prompt_tokens).refuse_obviously_long(system_prompt)
         await self._actor(AgentId(agent_id)).ask(OpenConversation(system_prompt))
 
     async def open(self, agent_id: str, system_prompt: str | None = None, resume: bool = True) -> AgentHandle:

@@ -36,7 +36,7 @@ async def build_request(
     ids = turn.prompt_token_ids
     if ids and not 0 <= min(ids) <= max(ids) < loaded.num_token_ids:
         raise ValueError(f"prompt: the model's token ids are 0 to {loaded.num_token_ids - 1}")
-    bound = PromptBound(loaded.max_chars_per_token, loaded.context_length, max_prompt_tokens)
+    bound = PromptBound.of(loaded, max_prompt_tokens)
     if conversation is not None:
         history, system = conversation.token_ids, conversation.system
         prompt = await models.tokenize(prepare_continuation, chat, history, system, turn, bound)

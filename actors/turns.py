@@ -20,6 +20,7 @@ from semantic.engine.grammar import (
     strict_calls_grammar,
     tool_call_grammar,
 )
+from semantic.engine.loading import LoadedModel
 from semantic.engine.request_stream import RequestStream
 from semantic.engine.sampling import SamplingParams
 from semantic.engine.tool_format import HERMES, ToolFormat
@@ -51,6 +52,10 @@ class PromptBound:
     max_chars_per_token: int
     context_length: int
     max_prompt_tokens: int | None = None
+
+    @classmethod
+    def of(cls, loaded: LoadedModel, max_prompt_tokens: int | None) -> PromptBound:
+        return cls(loaded.max_chars_per_token, loaded.context_length, max_prompt_tokens)
 
     def refuse_obviously_long(self, text: str, num_kept_tokens: int = 0) -> None:
         at_least = num_kept_tokens + len(text) // self.max_chars_per_token

@@ -39,7 +39,11 @@ class LibraryPanic(RuntimeError):
 _STOPS = KeyboardInterrupt | SystemExit | GeneratorExit | asyncio.CancelledError
 
 
-def is_panic(error: BaseException) -> bool:
-    """Whether `error` is neither an ordinary Exception nor a way to stop (interrupt, exit,
-    cancellation, a generator's close): what only a library's panic is."""
-    return not isinstance(error, Exception | _STOPS)
+def as_ordinary(error: BaseException) -> Exception:
+    """`error` as an ordinary Exception: itself, or a library's panic as LibraryPanic. A way to stop
+    (interrupt, exit, cancellation, a generator's close) is raised again."""
+    if isinstance(error, Exception):
+        return error
+    if isinstance(error, _STOPS):
+        raise error
+    return LibraryPanic(f"{type(error).__name__}: {error}")

@@ -34,7 +34,7 @@ from semantic.engine.commands import (
 from semantic.engine.config import EngineConfig, EngineStats
 from semantic.engine.core import EngineCore
 from semantic.engine.distributed import GroupLostError
-from semantic.engine.errors import EngineError, LibraryPanic, is_panic
+from semantic.engine.errors import EngineError, as_ordinary
 from semantic.engine.lockstep import Leader, Lockstep, clock_now
 
 
@@ -107,9 +107,7 @@ class ServingCore(EngineCore):
                     self._lose_group(error, messages)
                     return
                 except BaseException as error:
-                    if not (isinstance(error, Exception) or is_panic(error)):
-                        raise
-                    failure = error if isinstance(error, Exception) else LibraryPanic(repr(error))
+                    failure = as_ordinary(error)
                     if leader is not None:  # the other ranks ran this tick whole: they cannot follow
                         self._lose_group(failure, messages)
                         return
