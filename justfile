@@ -64,6 +64,10 @@ bench:
 bench-replay *ARGS:
     {{fast}} {{py}} -m bench.agent_replay {{ARGS}}
 
+# The engine stepped by hand under the replay's first turns: each tick's chunk, time and budget.
+tick-trace *ARGS:
+    {{fast}} {{py}} -m bench.tick_trace {{ARGS}}
+
 # Fetch and convert the default model into the user cache.
 fetch-model *ARGS:
     {{fast}} {{py}} scripts/fetch_default_model.py {{ARGS}}

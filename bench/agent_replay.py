@@ -7,7 +7,8 @@ the model's real replies are appended, and scripted tool-call / tool-result turn
 135M model writes no tool calls of its own). Agents run concurrently with a short "tool time"
 between turns, so their turns interleave. Half-way through, once every agent has finished that
 turn, the server is restarted (SIGTERM, then started again on the same cache directory) and the
-agents carry on.
+agents carry on. After every start as many other agents take one turn, unmeasured (`warm_up`): on
+a GPU the first process to need a kernel compiles it.
 
 Per turn: time to first token, latency, prompt, reused and generated tokens. Per run: wall time
 (restart excluded, reported apart), aggregate decode tokens/s, cache hit rate. Writes
@@ -39,6 +40,7 @@ from tests.server_process import ROOT
 
 REPLY_TOKENS = 32
 TOOL_TIME_S = (0.05, 0.4)  # what an agent spends running a tool between two requests
+WARM_UP_AGENT = 10_000  # the warm-up's agents are numbered from here (their own prompts and ids)
 
 TOPICS = [
     "the block pool hands out 256-token blocks and takes them back when an agent is evicted",
@@ -139,7 +141,7 @@ async def chat_turn(
         "max_tokens": REPLY_TOKENS,
         "stream_options": {"include_usage": True},
     }
-    headers = {"x-session-id": f"replay-{n_agents}-{session.index}"}
+    headers = {"x-session-id": f"replay-{n_agents}-{session.index}"}  # n_agents 0: the warm-up
     start = time.perf_counter()
     ttft: float | None = None
     text: list[str] = []
@@ -191,12 +193,23 @@ async def run_agent_turns(
     return records
 
 
+async def warm_up(server: Server, n_agents: int) -> None:
+    """As many agents of another workload take one turn together, unmeasured. On a GPU, MLX
+    compiles a kernel the first time a shape needs it (seconds for a batch of a new size) and keeps
+    it in a cache on disk that every later process reads: without this, whichever server runs
+    first pays for both. Their system prompts share nothing with the replay's: no cache is reused."""
+    sessions = [AgentSession(WARM_UP_AGENT + index, shared_prompt=False) for index in range(n_agents)]
+    await run_agent_turns(server, sessions, range(1), False, 0)
+
+
 def replay(server: Server, n_agents: int, turns: int) -> dict[str, Any]:
-    """One server, `n_agents` agents: turns before the restart, restart, the rest."""
+    """One server, `n_agents` agents: turns before the restart, restart, the rest. Each start is
+    followed by an unmeasured warm-up."""
     sessions = [AgentSession(index, shared_prompt=index % 2 == 0) for index in range(n_agents)]
     half = turns // 2
     server.start()
     try:
+        asyncio.run(warm_up(server, n_agents))
         start = time.perf_counter()
         records = asyncio.run(run_agent_turns(server, sessions, range(half), False, n_agents))
         before_restart = time.perf_counter() - start
@@ -204,6 +217,7 @@ def replay(server: Server, n_agents: int, turns: int) -> dict[str, Any]:
         server.stop()
         server.start()
         restart_s = time.perf_counter() - restart_start
+        asyncio.run(warm_up(server, n_agents))
         start = time.perf_counter()
         records += asyncio.run(run_agent_turns(server, sessions, range(half, turns), True, n_agents))
         after_restart = time.perf_counter() - start
