@@ -23,7 +23,7 @@ from semantic.actors.agent_id import AgentId
 from semantic.actors.system import AgentInfo
 from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.engine.messages import Finished, PromptStarted
-from semantic.protocols.common import SYSTEM_KEY, SseWriter, json_response
+from semantic.protocols.common import GATE_KEY, SYSTEM_KEY, SseWriter, json_response
 from semantic.protocols.errors import ApiError, NotFound
 from semantic.protocols.pipeline import TurnEvent, TurnReply, answer_turn, sampling_params
 from semantic.protocols.tenancy import CacheSalt, client_agent_id, is_visible, scoped_cache_salt
@@ -97,6 +97,7 @@ def _agent_id(request: web.Request) -> AgentId:
 async def create_agent(request: web.Request) -> web.Response:
     system = request.app[SYSTEM_KEY]
     body = _decode_create(await request.read() or b"{}")
+    request.app[GATE_KEY].take_rate()  # each agent is a record on disk and an actor: as a generation
     agent_id = client_agent_id(request, body.id if body.id is not None else f"agent-{uuid.uuid4().hex[:16]}")
     if await system.agent_info(agent_id) is not None:
         raise ApiError(f"agent {agent_id.local_id} already exists; DELETE it first", status=409)

@@ -82,11 +82,7 @@ class Gate:
                 "(engine.max_batch_size + limits.max_queued); retry shortly",
                 headers={"Retry-After": "1"},
             )
-        if self._global is not None and (wait := self._global.take()):
-            raise RateLimited(
-                f"rate limit of {self._global.rate_per_s:g} requests/s (burst {self._global.burst}) exceeded",
-                headers={"Retry-After": str(math.ceil(wait))},
-            )
+        self.take_rate()
         rate, burst = self._agent_rate
         if agent_id is not None and rate:
             bucket = self._agents.pop(agent_id, None) or TokenBucket(rate, burst)
@@ -101,6 +97,15 @@ class Gate:
                 )
         self.num_in_flight += 1
         self.last_active = time.monotonic()
+
+    def take_rate(self) -> None:
+        """Take a token from the whole server's bucket (`limits.rate_per_s`), or raise RateLimited: for
+        each generation, and for other requests that cost the server work (creating an agent)."""
+        if self._global is not None and (wait := self._global.take()):
+            raise RateLimited(
+                f"rate limit of {self._global.rate_per_s:g} requests/s (burst {self._global.burst}) exceeded",
+                headers={"Retry-After": str(math.ceil(wait))},
+            )
 
     def release(self) -> None:
         assert self.num_in_flight > 0, "released a slot that was never admitted: guard bug"

@@ -86,3 +86,20 @@ def test_agent_lifecycle_and_errors(server_factory, default_model_dir: Path) -> 
     assert call(server, "GET", "/v1/agents/sse")[0] == 404
     assert call(server, "DELETE", "/v1/agents/sse")[0] == 404
     assert not list(server.cache_dir.glob("agents/*/sse.*"))
+
+
+def test_creating_an_agent_takes_a_token_from_the_servers_rate_limit(
+    server_factory, default_model_dir: Path
+) -> None:  # type: ignore[no-untyped-def]
+    # The bucket holds 2 and refills once every 5,000 s: however slow the machine, none comes back.
+    args = ("--model", str(default_model_dir), "--rate-per-s", "0.0002", "--rate-burst", "2")
+    server = server_factory(*args).start()
+    assert call(server, "POST", "/v1/agents", {"id": "first"})[0] == 201
+    assert call(server, "POST", "/v1/agents", {"id": "second"})[0] == 201
+    status, body = call(server, "POST", "/v1/agents", {"id": "third"})
+    assert status == 429 and body["error"]["type"] == "rate_limit_error", body
+    assert "rate limit of 0.0002 requests/s (burst 2)" in body["error"]["message"]
+    assert call(server, "GET", "/v1/agents/third")[0] == 404  # refused before anything was written
+    assert not list(server.cache_dir.glob("agents/*/third.*"))
+    # Generations draw on the same bucket.
+    assert call(server, "POST", "/v1/agents/first/messages", {"content": "Hi.", "max_tokens": 2})[0] == 429
