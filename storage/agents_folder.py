@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +73,30 @@ def ignores_case(folder: Path) -> bool:
         return (folder / probe.name.lower()).exists()
     finally:
         probe.unlink(missing_ok=True)
+
+
+class AgentIdCollisionError(ValueError):
+    """On a disk that ignores case, an agent id that differs only in case from one with files."""
+
+
+def case_twin(
+    agent_id: AgentId, ids_with_files: Iterable[AgentId], disk_ignores_case: bool
+) -> AgentId | None:
+    """On a disk that ignores case, the agent with files whose id differs from `agent_id` only in
+    case (its files are `agent_id`'s files there)."""
+    if not disk_ignores_case:
+        return None
+    folded = agent_id.casefold()
+    return next((other for other in ids_with_files if other != agent_id and other.casefold() == folded), None)
+
+
+def refuse_case_twin(agent_id: AgentId, ids_with_files: Iterable[AgentId], disk_ignores_case: bool) -> None:
+    other = case_twin(agent_id, ids_with_files, disk_ignores_case)
+    if other is not None:
+        raise AgentIdCollisionError(
+            f"agent id {agent_id.local_id!r} names the same files as agent {other.local_id!r} on this "
+            "server's disk, which ignores case; use another id"
+        )
 
 
 def write_and_measure(path: Path, cache: SerializedCache, identity: CacheIdentity) -> int:

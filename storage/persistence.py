@@ -24,9 +24,11 @@ from semantic.storage.agents_folder import (
     CONVERSATION_SUFFIX,
     SUFFIX,
     DiskEntry,
+    case_twin,
     ignores_case,
     move_aside,
     read_and_touch,
+    refuse_case_twin,
     scan_folder,
     unlink,
     write_and_measure,
@@ -60,10 +62,6 @@ class PersistenceStoppedError(RuntimeError):
 
 
 NAMES_ONE_AGENT = LoadCache | DeleteAgent | SaveConversation | LoadConversation | QuarantineCache
-
-
-class AgentIdCollisionError(ValueError):
-    """On a disk that ignores case, an agent id that differs only in case from one with files."""
 
 
 class PersistenceActor:
@@ -183,26 +181,9 @@ class PersistenceActor:
                 reply.set_result(result)
         return not isinstance(message, StopPersistence)
 
-    def _collides(self, agent_id: AgentId) -> AgentId | None:
-        """On a disk that ignores case, the agent with files whose id differs from `agent_id` only
-        in case (its files are `agent_id`'s files there)."""
-        if not self.ignores_case:
-            return None
-        folded = agent_id.casefold()
-        others = (other for other in self._index if other != agent_id and other.casefold() == folded)
-        return next(others, None)
-
-    def _refuse_collision(self, agent_id: AgentId) -> None:
-        other = self._collides(agent_id)
-        if other is not None:
-            raise AgentIdCollisionError(
-                f"agent id {agent_id.local_id!r} names the same files as agent {other.local_id!r} on this "
-                "server's disk, which ignores case; use another id"
-            )
-
     async def _handle(self, message: PersistenceMessage) -> Any:
         if isinstance(message, NAMES_ONE_AGENT):
-            self._refuse_collision(message.agent_id)
+            refuse_case_twin(message.agent_id, self._index, bool(self.ignores_case))
         match message:
             case SaveCaches(caches=caches):
                 return [agent_id for cache in caches if (agent_id := await self._save(cache)) is not None]
@@ -232,7 +213,7 @@ class PersistenceActor:
 
     async def _save(self, cache: SerializedCache) -> AgentId | None:
         agent_id = AgentId(cache.agent_id)
-        if (other := self._collides(agent_id)) is not None:
+        if (other := case_twin(agent_id, self._index, bool(self.ignores_case))) is not None:
             logger.warning("not writing the cache of {}: its file is {}'s on this disk", agent_id, other)
             return None
         num_bytes = sum(tensor.nbytes for tensor in cache.tensors.values())

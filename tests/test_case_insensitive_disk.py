@@ -13,9 +13,10 @@ import pytest
 
 from semantic.actors.agent_id import AgentId
 from semantic.engine.cache_tensors import SerializedCache
+from semantic.storage.agents_folder import AgentIdCollisionError
 from semantic.storage.cache_file import CacheIdentity
 from semantic.storage.conversation_file import ConversationRecord
-from semantic.storage.persistence import AgentIdCollisionError, PersistenceActor
+from semantic.storage.persistence import PersistenceActor
 
 IDENTITY = CacheIdentity("tiny", "f" * 32, 256, {"num_layers": 1}, vocab_size=1000)
 
