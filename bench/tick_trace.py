@@ -16,18 +16,15 @@ import argparse
 import asyncio
 import random
 import time
-import uuid
 
 import mlx.core as mx
 
 from bench.agent_replay import REPLY_TOKENS, TOOL_TIME_S, AgentSession
-from semantic.engine.commands import Submit
 from semantic.engine.config import EngineConfig, EngineStats
 from semantic.engine.default_model import ensure_default_model
-from semantic.engine.messages import EventChannel, GenerationRequest
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
-from semantic.engine.sampling import SamplingParams
+from tests.batch_driver import deliver, submit
 
 NUM_AGENTS = 8
 
@@ -35,14 +32,11 @@ NUM_AGENTS = 8
 def trace_round(runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop, first_agent: int) -> None:
     tokenizer, batch = runtime.loaded.tokenizer, runtime.batch
 
-    def submit(index: int) -> None:
+    def submit_first_turn(index: int) -> None:
         session = AgentSession(index, shared_prompt=index % 2 == 0)
         session.next_turn(0)
         prompt = list(tokenizer.apply_chat_template(session.messages, add_generation_prompt=True))
-        sampling = SamplingParams(max_tokens=REPLY_TOKENS, temperature=0)
-        request = Submit(GenerationRequest(uuid.uuid4().hex, prompt, sampling, None), EventChannel(loop))
-        blocks = runtime.pool.allocate(runtime.loaded.spec.num_blocks_for(len(prompt) + REPLY_TOKENS))
-        batch.insert(request, blocks)
+        submit(runtime, loop, prompt, REPLY_TOKENS)
 
     rng = random.Random(first_agent)
     due = sorted((rng.uniform(*TOOL_TIME_S), first_agent + i) for i in range(NUM_AGENTS))
@@ -50,7 +44,7 @@ def trace_round(runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoo
     start, tick = time.perf_counter(), 0
     while due or batch.running:
         while due and due[0][0] <= time.perf_counter() - start:
-            submit(due.pop(0)[1])
+            submit_first_turn(due.pop(0)[1])
         if not batch.running:
             time.sleep(0.002)
             continue
@@ -58,10 +52,7 @@ def trace_round(runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoo
         stepped = time.perf_counter()
         batch.step()
         elapsed = time.perf_counter() - stepped
-        batch.flush()
-        batch.keep_caches()
-        outbox.flush()
-        loop.run_until_complete(asyncio.sleep(0))
+        deliver(runtime, outbox, loop)
         budget = batch.prefill_budget
         left = [s.num_left_to_prefill for s in batch.running.values() if s.is_prefilling]
         decode_ms = {n: round(s * 1e3, 1) for n, s in budget.decode_steps.items()}

@@ -59,9 +59,8 @@ class EngineStats:
     pool_budget_bytes: int = 0
     num_agents_cached: int = 0
     num_evictions: int = 0
-    num_tick_failures: int = (
-        0  # ticks that raised where nothing should; their requests failed, not the engine
-    )
+    # ticks that raised where nothing should; their requests failed, not the engine
+    num_tick_failures: int = 0
     prefill_chunk_tokens: int = 0  # the last tick's prefill budget
     mlx_active_bytes: int = 0  # MLX's memory on this rank: in arrays, and freed but kept for reuse
     mlx_cache_bytes: int = 0
