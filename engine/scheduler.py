@@ -86,8 +86,10 @@ class Scheduler:
                 refusal = ModelChangedError("the model changed while the request waited")
             elif needed > pool.num_blocks:
                 refusal = ValueError(
-                    f"request needs {needed} KV blocks ({len(request.prompt_tokens)} prompt + "
-                    f"{request.sampling.max_tokens} new tokens) but the cache budget holds {pool.num_blocks}"
+                    f"request needs {needed} KV blocks of {pool.block_size} tokens "
+                    f"({len(request.prompt_tokens)} prompt + {request.sampling.max_tokens} new tokens) but "
+                    f"the cache budget holds {pool.num_blocks} ({pool.num_blocks * pool.block_size} tokens): "
+                    "ask for fewer new tokens, or start the server with a larger --cache-budget-mb"
                 )
             if refusal is not None:
                 self.waiting.remove(submit)

@@ -4,6 +4,7 @@ no token spans more characters than the vocabulary's longest (the default model'
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from tests.agent_api_client import call
@@ -68,6 +69,27 @@ def test_the_server_limit_is_checked_by_length_too(server_factory, default_model
     status, reply = call(server, "POST", "/v1/chat/completions", body)
     message = reply["error"]["message"]
     assert status == 400 and message.startswith("prompt tokens: ") and BY_LENGTH not in message, reply
+    body["messages"] = [{"role": "user", "content": "hello world"}]
+    assert call(server, "POST", "/v1/chat/completions", body)[0] == 200
+    server.stop()
+
+
+def test_a_turn_larger_than_the_cache_budget_is_refused_with_the_budget_in_tokens(  # type: ignore[no-untyped-def]
+    server_factory, default_model_dir: Path
+) -> None:
+    # A few MiB of KV per 256-token block: 12 MiB hold a block or two, not a 600-token prompt.
+    server = server_factory("--model", str(default_model_dir), "--cache-budget-mb", "12").start()
+    body = {"max_tokens": 8, "messages": [{"role": "user", "content": "hello world " * 300}]}
+    refusal = re.compile(
+        r"request needs (\d+) KV blocks of 256 tokens \((\d+) prompt \+ 8 new tokens\) but the cache "
+        r"budget holds (\d+) \((\d+) tokens\): .* larger --cache-budget-mb"
+    )
+    for path, shape in (("/v1/chat/completions", {}), ("/v1/messages", {"model": "claude-x"})):
+        status, reply = call(server, "POST", path, {**body, **shape})
+        found = refusal.fullmatch(reply["error"]["message"])
+        assert status == 400 and found is not None, reply
+        needed, prompt, held, held_tokens = map(int, found.groups())
+        assert needed == -(-(prompt + 8) // 256) and 0 < held < needed and held_tokens == held * 256
     body["messages"] = [{"role": "user", "content": "hello world"}]
     assert call(server, "POST", "/v1/chat/completions", body)[0] == 200
     server.stop()
