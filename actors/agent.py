@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +32,7 @@ from semantic.actors.agent_messages import (
     StopAgent,
 )
 from semantic.actors.history_marks import HistoryMark, HistoryMarks
+from semantic.actors.kept_conversation import KeptConversation
 from semantic.actors.model_session import ModelSession
 from semantic.actors.models import ModelHost
 from semantic.actors.turn_prompt import build_request
@@ -72,9 +72,7 @@ class AgentActor:
         # Unbounded underneath so StopAgent always gets in; `ask` enforces the bound for the rest.
         self._mailbox: asyncio.Queue[tuple[AgentMessage, asyncio.Future[Any]]] = asyncio.Queue()
         self._stopped = False
-        # The direct API's conversation, for the model whose fingerprint is `_conversation_model`.
-        self._conversation: ConversationRecord | None = None
-        self._conversation_model: str | None = None
+        self._conversation = KeptConversation(agent_id)  # the direct API's
 
     @property
     def is_stopped(self) -> bool:
@@ -137,11 +135,7 @@ class AgentActor:
             case StartTurn(turn=turn):
                 return await self._run_turn(turn, reply)
             case OpenConversation(system=system_prompt):
-                session = await self._models.ready()
-                self._conversation_model = session.loaded.fingerprint
-                self._conversation = ConversationRecord(system=system_prompt, created_at=time.time())
-                await self._save_conversation(session, self._conversation)
-                return self._conversation
+                return await self._conversation.open(await self._models.ready(), system_prompt)
             case EvictCache():
                 return await self._evict()
             case ForgetAgent():
@@ -152,7 +146,7 @@ class AgentActor:
     async def _run_turn(self, turn: TurnRequest, reply: asyncio.Future[Any]) -> None:
         with contextlib.ExitStack() as committing:
             async with self._models.lease(turn.model) as session:  # no model switch until submitted
-                conversation = await self._kept_conversation(session) if turn.keeps_conversation else None
+                conversation = await self._conversation.current(session) if turn.keeps_conversation else None
                 prompt, request = await self._prepare(session, conversation, turn)
                 is_fork = conversation is None and self._is_side_request(session, prompt)
                 if is_fork:
@@ -181,7 +175,7 @@ class AgentActor:
         try:
             final = await asyncio.shield(stream.done)
             if conversation is not None and isinstance(final, Finished):
-                await self._commit(session, conversation, prompt, final)
+                await self._conversation.commit(session, conversation, prompt, final)
             elif isinstance(final, Finished) and final.reason is not FinishReason.CANCELLED:
                 self._mark_history(session, prompt, final)
         except Exception as error:
@@ -235,38 +229,6 @@ class AgentActor:
             request.cache_tier_hint = "disk"
         return prompt, request
 
-    async def _commit(
-        self, session: ModelSession, conversation: ConversationRecord, prompt: PreparedPrompt, final: Finished
-    ) -> None:
-        if final.reason is FinishReason.CANCELLED:
-            return
-        generated = list(final.generated_token_ids)
-        if generated and generated[-1] in session.loaded.eos_token_ids:
-            generated.pop()  # the continuation writes the end of the turn itself
-        updated = ConversationRecord(
-            conversation.system,
-            prompt.token_ids + generated,
-            conversation.num_turns + 1,
-            conversation.created_at,
-        )
-        await self._save_conversation(session, updated)
-        self._conversation = updated
-
-    async def _save_conversation(self, session: ModelSession, record: ConversationRecord) -> None:
-        if session.persistence is not None and self.agent_id is not None:
-            await session.persistence.save_conversation(self.agent_id, record)
-
-    async def _kept_conversation(self, session: ModelSession) -> ConversationRecord:
-        """The kept conversation for the loaded model (each model keeps its own, as its token ids)."""
-        fingerprint = session.loaded.fingerprint
-        if self._conversation is None or self._conversation_model != fingerprint:
-            record = None
-            if session.persistence is not None and self.agent_id is not None:
-                record = await session.persistence.load_conversation(self.agent_id)
-            self._conversation = record or ConversationRecord(created_at=time.time())
-            self._conversation_model = fingerprint
-        return self._conversation
-
     async def _restore_from_disk(self, session: ModelSession, cache_salt: str | None) -> bool:
         """Load the agent's cache into the engine if it is on disk and not in memory."""
         persistence, agent_id = session.persistence, self.agent_id
@@ -300,7 +262,7 @@ class AgentActor:
     async def _forget(self) -> None:
         """Drop the agent's cache and conversation from memory and disk."""
         assert self.agent_id is not None, "forget sent to an anonymous actor: registry bug"
-        self._conversation = None
+        self._conversation.forget()
         self._marks.forget(self.agent_id)
         if self._engine.loaded is not None:
             await self._engine.ask(DropCache(self.agent_id))
