@@ -21,7 +21,7 @@ from semantic.actors.handle import AgentHandle
 from semantic.actors.history_marks import HistoryMarks
 from semantic.actors.models import ModelHost
 from semantic.actors.turns import PromptBound, TurnRequest, TurnStarted, prepare_stateless
-from semantic.engine.agent_cache import is_anonymous
+from semantic.engine.cache_matching import is_anonymous
 from semantic.engine.commands import ListCaches
 from semantic.engine.default_model import user_cache_dir
 from semantic.engine.engine import Engine, EngineConfig

@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from bench.common import RESULTS, write_results
 from semantic import AgentId, AgentSystem, SystemConfig, TurnRequest
-from semantic.engine.agent_cache import common_prefix_length
+from semantic.engine.cache_matching import common_prefix_length
 from semantic.engine.commands import InspectPool
 from semantic.engine.default_model import ensure_default_model
 from semantic.engine.engine import EngineConfig

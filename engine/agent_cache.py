@@ -22,6 +22,7 @@ from loguru import logger
 
 from semantic.engine.block_filing import file_blocks, publish_blocks
 from semantic.engine.block_pool import BlockPool, hash_prefix_blocks
+from semantic.engine.cache_matching import ANONYMOUS_PREFIX, common_prefix_length, is_anonymous
 from semantic.engine.cache_spec import ModelCacheSpec
 from semantic.engine.cache_tensors import CacheSnapshot, HostSnapshot
 from semantic.engine.errors import PoolExhaustedError
@@ -57,25 +58,6 @@ class PreparedPrompt:
     caches: list[Any]
     num_cached_tokens: int
     tier: str
-
-
-ANONYMOUS_PREFIX = "#anon-"  # a client's agent id never holds "#", so these cannot collide
-
-
-def is_anonymous(agent_id: str) -> bool:
-    """Whether the engine named this cache itself (for a request without an agent id): such caches
-    are matched by content in memory only and never written to disk."""
-    return agent_id.startswith(ANONYMOUS_PREFIX)
-
-
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case, a prompt extending a cache, compared at C speed
-        return n
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class AgentCacheStore:

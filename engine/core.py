@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 from loguru import logger
 
-from semantic.engine.agent_cache import is_anonymous
+from semantic.engine.cache_matching import is_anonymous
 from semantic.engine.cache_tensors import SerializedCache, to_tensors
 from semantic.engine.commands import (
     DropCache,

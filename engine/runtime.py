@@ -15,9 +15,10 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 from semantic.engine import cpu_kernels, mlx_seams
-from semantic.engine.agent_cache import AgentCacheStore, is_anonymous
+from semantic.engine.agent_cache import AgentCacheStore
 from semantic.engine.batch import Batch
 from semantic.engine.block_pool import BlockPool
+from semantic.engine.cache_matching import is_anonymous
 from semantic.engine.cache_tensors import CacheSnapshot, SerializedCache, from_tensors, to_tensors
 from semantic.engine.commands import CachedAgent, PoolReport
 from semantic.engine.config import EngineConfig, EngineStats

@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 
 from semantic.engine import cpu_attention
-from semantic.engine.agent_cache import is_anonymous
+from semantic.engine.cache_matching import is_anonymous
 from semantic.engine.commands import Drain, InspectPool, ListCaches, ReferenceGenerate
 from semantic.engine.engine import Engine, EngineConfig, EngineError, PromptTooLongError, RequestStream
 from semantic.engine.messages import Finished, FinishReason, GenerationRequest, PromptStarted, TokenDelta
