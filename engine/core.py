@@ -208,7 +208,7 @@ class EngineCore:
         if cache is None:
             return False
         try:
-            self._make_room_to_restore(runtime, cache, salt)
+            self._scheduler.make_room_to_restore(runtime, cache, salt)
             runtime.restore(cache, salt)
             restored = True
         except PoolExhaustedError as error:  # running sequences hold the pool: not the file's fault
@@ -223,22 +223,6 @@ class EngineCore:
             runtime.store.drop(agent_id)  # some rank could not: none keeps it
             return False
         return restored
-
-    def _make_room_to_restore(self, runtime: Runtime, cache: SerializedCache, salt: str | None) -> None:
-        """Evict idle caches (not those of queued requests) for a cache read from disk, or raise
-        PoolExhaustedError, evicting nothing, where even all of them would not make room."""
-        store, pool = runtime.store, runtime.pool
-        token_ids = [int(t) for t in cache.tensors["tokens"]]
-        num_new = runtime.loaded.spec.num_blocks_for(len(token_ids)) - len(
-            store.held_block_ids(token_ids, salt)
-        )
-        spared = self._scheduler.queued_agent_ids
-        evictable = {b for a in store.evictable() if a.agent_id not in spared for b in a.block_ids}
-        if pool.num_free_blocks + len(evictable) < num_new:
-            raise PoolExhaustedError(
-                f"{num_new} blocks needed, {pool.num_free_blocks} free, {len(evictable)} in idle caches"
-            )
-        self._scheduler.make_room(runtime, num_new, spared)
 
     def _loaded_runtime(self) -> Runtime:
         if self._runtime is None:

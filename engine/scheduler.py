@@ -4,7 +4,7 @@ A new prompt batch starts only once the last one is prefilled, except that a sho
 prefill chunk) overtakes a lone long prompt part-way through its prefill; waiting requests go in
 by the tokens they still have to prefill, fewest first, and each joins with its KV blocks reserved
 up front (idle agents' caches are evicted, least recently used first, to make room; the caches of
-queued requests are spared while anything runs).
+queued requests are spared while anything runs; a cache read from disk gets room the same way).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from collections import deque
 from loguru import logger
 
 from semantic.engine.agent_cache import AgentCacheStore
+from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.commands import Submit
 from semantic.engine.config import EngineConfig
-from semantic.engine.errors import EngineError, ModelChangedError
+from semantic.engine.errors import EngineError, ModelChangedError, PoolExhaustedError
 from semantic.engine.messages import GenerationRequest
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
@@ -150,6 +151,22 @@ class Scheduler:
     @property
     def queued_agent_ids(self) -> set[str]:
         return {s.request.agent_id for s in self.waiting if s.request.agent_id is not None}
+
+    def make_room_to_restore(self, runtime: Runtime, cache: SerializedCache, salt: str | None) -> None:
+        """Evict idle caches (not those of queued requests) for a cache read from disk, or raise
+        PoolExhaustedError, evicting nothing, where even all of them would not make room."""
+        store, pool = runtime.store, runtime.pool
+        token_ids = [int(t) for t in cache.tensors["tokens"]]
+        num_new = runtime.loaded.spec.num_blocks_for(len(token_ids)) - len(
+            store.held_block_ids(token_ids, salt)
+        )
+        spared = self.queued_agent_ids
+        evictable = {b for a in store.evictable() if a.agent_id not in spared for b in a.block_ids}
+        if pool.num_free_blocks + len(evictable) < num_new:
+            raise PoolExhaustedError(
+                f"{num_new} blocks needed, {pool.num_free_blocks} free, {len(evictable)} in idle caches"
+            )
+        self.make_room(runtime, num_new, spared)
 
     def make_room(self, runtime: Runtime, num_blocks: int, spared: set[str]) -> bool:
         """Evict idle agents' caches, least recently used first and never those in `spared`, until
