@@ -5,7 +5,9 @@ caches are evicted to disk and cache files are deleted for the disk budget all t
 for `--minutes` runs `--workers` clients that each pick, turn after turn, one of: a direct-API
 turn of one of 24 named agents (streamed or not), an eviction or (rarely) a deletion of one, a
 streamed Anthropic conversation turn with a tool, an OpenAI chat stream the client drops after
-three chunks, a text completion with log-probabilities, or a malformed request. Every 10 s it
+three chunks, a text completion with log-probabilities, or a malformed request. A conversation
+refused for outgrowing the cache budget starts afresh (its agent deleted, its Anthropic session
+emptied), as a client that compacts its context would, so the churn lasts the whole run. Every 10 s it
 samples the server's RSS, open file descriptors, threads and its /metrics (pool bytes in use, MLX
 memory, requests in flight, agents in memory, cache bytes on disk), and once more after a minute
 idle (when the server gives its free heap pages back).
@@ -115,10 +117,13 @@ class Soak:
         if status >= 500:
             self.fail(f"{scenario}: {status}")
 
-    async def refused(self, scenario: str, reply: aiohttp.ClientResponse) -> None:
-        """Count a reply that is not a 200, with what it said (digits dropped, to group alike ones)."""
+    async def refused(self, scenario: str, reply: aiohttp.ClientResponse) -> bool:
+        """Count a reply that is not a 200, with what it said (digits dropped, to group alike ones);
+        whether it said the conversation has outgrown the cache budget (then the client starts a
+        new one, as one that compacts its context would)."""
         text = (await reply.text())[:300]
         self.refusals[f"{scenario} {reply.status}: " + "".join("#" if c.isdigit() else c for c in text)] += 1
+        return reply.status == 400 and "larger --cache-budget-mb" in text
 
     async def agent_turn(self, http: aiohttp.ClientSession, agent: str) -> None:
         if agent not in self.agent_totals:
@@ -134,7 +139,8 @@ class Soak:
         async with http.post(f"{self.base_url}/v1/agents/{agent}/messages", json=body) as r:
             self.count("agent_turn", r.status)
             if r.status != 200:
-                await self.refused("agent_turn", r)
+                if await self.refused("agent_turn", r):
+                    await self.start_afresh(http, agent)
                 return
             if stream:
                 usage = None
@@ -153,6 +159,12 @@ class Soak:
         if usage["prompt_tokens"] < before:
             self.fail(f"agent {agent} lost history: prompt {usage['prompt_tokens']} < {before}")
         self.agent_totals[agent] = usage["prompt_tokens"] + usage["completion_tokens"]
+
+    async def start_afresh(self, http: aiohttp.ClientSession, agent: str) -> None:
+        async with http.delete(f"{self.base_url}/v1/agents/{agent}") as r:
+            self.count("agent_reset", r.status)
+            if r.status in (200, 204):
+                del self.agent_totals[agent]
 
     async def agent_admin(self, http: aiohttp.ClientSession, agent: str) -> None:
         if agent not in self.agent_totals:
@@ -175,8 +187,10 @@ class Soak:
         async with http.post(f"{self.base_url}/v1/messages", json=body, headers={"x-agent-id": session}) as r:
             self.count("anthropic_stream", r.status)
             if r.status != 200:
-                await self.refused("anthropic_stream", r)
-                messages.pop()
+                if await self.refused("anthropic_stream", r):
+                    self.sessions[session] = []  # a client compacting its context starts anew
+                else:
+                    messages.pop()
                 return
             async for line in r.content:
                 if line.startswith(b"data: ") and b"text_delta" in line:
