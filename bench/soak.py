@@ -164,7 +164,7 @@ class Soak:
         async with http.delete(f"{self.base_url}/v1/agents/{agent}") as r:
             self.count("agent_reset", r.status)
             if r.status in (200, 204):
-                del self.agent_totals[agent]
+                self.agent_totals.pop(agent, None)  # another worker may have deleted it too
 
     async def agent_admin(self, http: aiohttp.ClientSession, agent: str) -> None:
         if agent not in self.agent_totals:
@@ -173,7 +173,7 @@ class Soak:
             async with http.delete(f"{self.base_url}/v1/agents/{agent}") as r:
                 self.count("agent_delete", r.status)
                 if r.status in (200, 204):
-                    del self.agent_totals[agent]
+                    self.agent_totals.pop(agent, None)  # another worker may have deleted it too
         else:
             async with http.post(f"{self.base_url}/v1/agents/{agent}/evict") as r:
                 self.count("agent_evict", r.status)
