@@ -175,7 +175,7 @@ class AgentActor:
         try:
             final = await asyncio.shield(stream.done)
             if conversation is not None and isinstance(final, Finished):
-                await self._conversation.commit(session, conversation, prompt, final)
+                await self._conversation.commit(session, prompt, final)
             elif isinstance(final, Finished) and final.reason is not FinishReason.CANCELLED:
                 self._mark_history(session, prompt, final)
         except Exception as error:

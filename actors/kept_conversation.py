@@ -41,12 +41,12 @@ class KeptConversation:
             self._model = fingerprint
         return self._record
 
-    async def commit(
-        self, session: ModelSession, conversation: ConversationRecord, prompt: PreparedPrompt, final: Finished
-    ) -> None:
-        """Extend the conversation by a finished turn (its prompt and reply) and save it."""
+    async def commit(self, session: ModelSession, prompt: PreparedPrompt, final: Finished) -> None:
+        """Extend the conversation `current` gave the turn by its prompt and reply, and save it."""
         if final.reason is FinishReason.CANCELLED:
             return
+        conversation = self._record
+        assert conversation is not None, "a turn committed without its conversation: actor bug"
         generated = list(final.generated_token_ids)
         if generated and generated[-1] in session.loaded.eos_token_ids:
             generated.pop()  # the continuation writes the end of the turn itself

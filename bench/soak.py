@@ -140,7 +140,7 @@ class Soak:
             self.count("agent_turn", r.status)
             if r.status != 200:
                 if await self.refused("agent_turn", r):
-                    await self.start_afresh(http, agent)
+                    await self.delete_agent(http, agent, "agent_reset")
                 return
             if stream:
                 usage = None
@@ -160,9 +160,9 @@ class Soak:
             self.fail(f"agent {agent} lost history: prompt {usage['prompt_tokens']} < {before}")
         self.agent_totals[agent] = usage["prompt_tokens"] + usage["completion_tokens"]
 
-    async def start_afresh(self, http: aiohttp.ClientSession, agent: str) -> None:
+    async def delete_agent(self, http: aiohttp.ClientSession, agent: str, scenario: str) -> None:
         async with http.delete(f"{self.base_url}/v1/agents/{agent}") as r:
-            self.count("agent_reset", r.status)
+            self.count(scenario, r.status)
             if r.status in (200, 204):
                 self.agent_totals.pop(agent, None)  # another worker may have deleted it too
 
@@ -170,10 +170,7 @@ class Soak:
         if agent not in self.agent_totals:
             return
         if self.rng.random() < 0.15:
-            async with http.delete(f"{self.base_url}/v1/agents/{agent}") as r:
-                self.count("agent_delete", r.status)
-                if r.status in (200, 204):
-                    self.agent_totals.pop(agent, None)  # another worker may have deleted it too
+            await self.delete_agent(http, agent, "agent_delete")
         else:
             async with http.post(f"{self.base_url}/v1/agents/{agent}/evict") as r:
                 self.count("agent_evict", r.status)
