@@ -10,11 +10,13 @@ turn, the server is restarted (SIGTERM, then started again on the same cache dir
 agents carry on. After every start as many other agents take one turn, unmeasured (`warm_up`): on
 a GPU the first process to need a kernel compiles it.
 
-Per turn: time to first token, latency, prompt, reused and generated tokens. Per run: wall time
+Per turn: time to first token, latency, prompt, reused and generated tokens, and for semantic the
+server's own account of the turn from its JSON log (its time to first token, the time its handler
+took before the engine got the turn, the engine's wait before the turn joined the batch). Per run: wall time
 (restart excluded, reported apart), aggregate decode tokens/s, cache hit rate. Writes
 bench/results/agent_replay.json and the plots agent_replay_ttft.png and agent_replay_throughput.png.
 
-    python -m semantic.launch .venv/bin/python -m bench.agent_replay [--agents 1 4 8] [--turns 6]
+    python -m semantic.launch .venv/bin/python -m bench.agent_replay [--agents 1 4 8] [--turns 6] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -86,6 +89,10 @@ class TurnRecord:
     prompt_tokens: int
     reused_tokens: int
     generated_tokens: int
+    request_id: str = ""
+    server_ttft_s: float | None = None  # semantic's own log: where the client's TTFT went
+    server_handled_s: float | None = None
+    server_engine_wait_s: float | None = None
 
 
 @dataclass
@@ -131,7 +138,7 @@ class AgentSession:
 
 
 async def chat_turn(
-    http: aiohttp.ClientSession, server: Server, session: AgentSession, n_agents: int
+    http: aiohttp.ClientSession, server: Server, session: AgentSession, n_agents: int, request_id: str
 ) -> dict[str, Any]:
     body = {
         "model": server.model,
@@ -141,7 +148,7 @@ async def chat_turn(
         "max_tokens": REPLY_TOKENS,
         "stream_options": {"include_usage": True},
     }
-    headers = {"x-session-id": f"replay-{n_agents}-{session.index}"}  # n_agents 0: the warm-up
+    headers = {"x-session-id": f"replay-{n_agents}-{session.index}", "x-request-id": request_id}
     start = time.perf_counter()
     ttft: float | None = None
     text: list[str] = []
@@ -168,6 +175,7 @@ async def chat_turn(
         "prompt_tokens": usage.get("prompt_tokens", 0),
         "reused_tokens": details.get("cached_tokens", 0) or 0,
         "generated_tokens": usage.get("completion_tokens", 0),
+        "request_id": request_id,
     }
 
 
@@ -182,7 +190,8 @@ async def run_agent_turns(
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as http:
             for turn in turns:
                 kind = session.next_turn(turn)
-                result = await chat_turn(http, server, session, n_agents)
+                request_id = f"replay-{n_agents}-{session.index}-{turn}"  # n_agents 0: the warm-up
+                result = await chat_turn(http, server, session, n_agents, request_id)
                 session.messages.append({"role": "assistant", "content": result.pop("text")})
                 records.append(
                     TurnRecord(server.name, n_agents, session.index, turn, after_restart, kind, **result)
@@ -223,6 +232,12 @@ def replay(server: Server, n_agents: int, turns: int) -> dict[str, Any]:
         after_restart = time.perf_counter() - start
     finally:
         server.stop()
+    timings = server.request_timings()
+    for record in records:
+        timing = timings.get(record.request_id, {})
+        record.server_ttft_s = timing.get("ttft_s")
+        record.server_handled_s = timing.get("handled_s")
+        record.server_engine_wait_s = timing.get("engine_wait_s")
     return summarise(records, before_restart + after_restart, restart_s)
 
 
@@ -247,6 +262,10 @@ def summarise(records: list[TurnRecord], wall_s: float, restart_s: float) -> dic
         "median_ttft_first_turn_s": median([r.ttft_s for r in records if r.turn == 0]),
         "median_ttft_returning_s": median([r.ttft_s for r in returning]),
         "median_ttft_first_after_restart_s": median([r.ttft_s for r in after]),
+        "server_view_of_returning_turns": {
+            name: median([v for r in returning if (v := getattr(r, f"server_{name}")) is not None])
+            for name in ("ttft_s", "handled_s", "engine_wait_s")
+        },
         "records": [asdict(r) for r in records],
     }
 
@@ -328,6 +347,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--prefill-stall-ratio", help="semantic's --prefill-stall-ratio (default: its own)")
     parser.add_argument("--output", default="agent_replay", help="results file name, without .json")
+    parser.add_argument("--logs", type=Path, help="keep the servers' logs in this folder")
     args = parser.parse_args()
     ratio = ("--prefill-stall-ratio", args.prefill_stall_ratio) if args.prefill_stall_ratio else ()
     model_dir = ensure_default_model()
@@ -343,6 +363,10 @@ def main() -> None:
                 results[server.name][str(n)] = replay(server, n, args.turns)
                 figures = {k: v for k, v in results[server.name][str(n)].items() if k != "records"}
                 print(json.dumps(figures), file=sys.stderr, flush=True)
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            for log in Path(scratch).rglob("*.log"):
+                shutil.copy(log, args.logs / f"{log.parent.name}-{log.name}")
     plots = plot(results, args.agents)
     write_results(
         args.output,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ class Server(Protocol):
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
+    def request_timings(self) -> dict[str, dict[str, float]]: ...
 
 
 class Semantic:
@@ -27,7 +29,9 @@ class Semantic:
     model = "default"
 
     def __init__(self, model_dir: Path, cache_dir: Path, *extra_args: str) -> None:
-        self.process = ServerProcess(cache_dir, "--model", str(model_dir), "--temperature", "0", *extra_args)
+        self.process = ServerProcess(
+            cache_dir, "--model", str(model_dir), "--temperature", "0", "--log-format", "json", *extra_args
+        )
         self.base_url = self.process.base_url
 
     def start(self) -> None:
@@ -35,6 +39,20 @@ class Semantic:
 
     def stop(self) -> None:
         self.process.stop()
+
+    def request_timings(self) -> dict[str, dict[str, float]]:
+        """Each finished request's own timings from the server's JSON log, by request id: time to
+        first token, the handler's time before the engine got it, the engine's wait to admit it."""
+        timings: dict[str, dict[str, float]] = {}
+        for line in self.process.log().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(entry, dict) and entry.get("request_id") and "ttft_s" in entry:
+                names = ("ttft_s", "handled_s", "engine_wait_s")
+                timings[entry["request_id"]] = {k: entry[k] for k in names if entry.get(k) is not None}
+        return timings
 
 
 class MlxLmServer:
@@ -73,3 +91,6 @@ class MlxLmServer:
         assert self.proc is not None
         self.proc.terminate()
         self.proc.wait(60)
+
+    def request_timings(self) -> dict[str, dict[str, float]]:
+        return {}  # mlx_lm.server logs no per-request timings

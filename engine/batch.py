@@ -69,10 +69,6 @@ class Batch:
             prefill_step_size=config.num_tokens_per_prefill_step,
         )
         self._generator = self._generators()
-        # mlx-lm returns a token one step after computing it, so its next step overlaps the caller's
-        # work; MLX's CPU backend runs that step before the call returns, so there a first token
-        # would wait a whole step for nothing: take it as soon as it exists.
-        self._takes_first_tokens_early = stream.device == mx.cpu
         self.prefill_budget = PrefillBudget(config.num_tokens_per_prefill_step, config.prefill_stall_ratio)
         self.running = RunningSequences(CacheKeeper(loaded.spec, store, pool), outbox)
         self._texts = TokenTexts(loaded.tokenizer)  # for requests that ask for log-probabilities
@@ -133,7 +129,13 @@ class Batch:
         self._stats.num_cached_tokens += prepared.num_cached_tokens
         self._outbox.post(
             submit.events,
-            PromptStarted(len(request.prompt_tokens), prepared.num_cached_tokens, prepared.tier),
+            PromptStarted(
+                len(request.prompt_tokens),
+                prepared.num_cached_tokens,
+                prepared.tier,
+                submit.queued_at,
+                time.monotonic() - submit.queued_at,
+            ),
         )
 
     def _text_stream(self, request: GenerationRequest) -> TextStream:
@@ -225,15 +227,24 @@ class Batch:
             self._generator = self._generators()
             self.running.fail_all(EngineError(f"generation failed: {error}"))
             return
-        budget.observe(
-            time.perf_counter() - started,
+        elapsed, prefilled = time.perf_counter() - started, mlx_seams.num_prompt_tokens_processed(generator)
+        budget.observe(elapsed, num_decoding, prefilled - prefilled_before)
+        logger.debug(
+            "step {}: {} decoding, {} prompt tokens (chunk {}), {:.1f} ms",
+            self._stats.num_steps,
             num_decoding,
-            mlx_seams.num_prompt_tokens_processed(generator) - prefilled_before,
+            prefilled - prefilled_before,
+            chunk,
+            elapsed * 1e3,
         )
         self._stats.num_steps += 1
         ended_prompts = self.running.read_prompt_progress(prompt_responses)
         ending = self._read_tokens(generation_responses)
-        if self._takes_first_tokens_early and ended_prompts:
+        # mlx-lm returns a token one step after computing it, so that its next step overlaps the
+        # caller's work; a first token would wait that whole step for nothing: it is taken as soon
+        # as it exists. On a GPU that waits for the queued step: the overlap is lost once per prompt
+        # (on an H100 the replay's returning turns had their first token after 2 steps, not 3).
+        if ended_prompts:
             for uid, (token, logprobs) in mlx_seams.first_tokens(generator, ended_prompts).items():
                 running = self.running[uid]  # it cannot have ended since its prompt did, this step
                 running.early_token = token

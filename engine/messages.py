@@ -40,11 +40,14 @@ class GenerationRequest:
 
 @dataclass(slots=True)
 class PromptStarted:
-    """Sent when the request joins the batch: how much of the prompt came from cache."""
+    """Sent when the request joins the batch: how much of the prompt came from cache, when the
+    engine got the request (`time.monotonic()`; 0 where unknown) and how long it waited to join."""
 
     num_prompt_tokens: int
     num_cached_tokens: int
     cache_tier: str
+    queued_at: float = 0.0
+    waited_s: float = 0.0
 
 
 @dataclass(slots=True)

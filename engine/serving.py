@@ -89,7 +89,7 @@ class ServingCore(EngineCore):
                 block=idle, timeout=leader.heartbeat_s if leader is not None and idle else None
             )
             self._pending = []
-            now = clock_now()
+            now, began = clock_now(), time.perf_counter()
             chunk, digest = self._next_chunk(), self._token_digest()
             fail_reason = self._drains.expired_reason(now, self._is_busy)
             loads = any(isinstance(m, Envelope) and isinstance(m.command, LoadModel) for m in messages)
@@ -112,6 +112,7 @@ class ServingCore(EngineCore):
                         self._lose_group(failure, messages)
                         return
                     self._survive_failed_tick(failure)
+            logger.debug("tick: {} messages, {:.1f} ms", len(messages), (time.perf_counter() - began) * 1e3)
             if self._is_busy:
                 remaining = self.config.tick_s - (time.perf_counter() - tick_start)
                 if remaining > 0:

@@ -47,6 +47,12 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.engine_wait = Histogram(
+            "semantic_engine_wait_seconds",
+            "Time from the engine getting a request to the request joining the batch",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.decode_rate = Histogram(
             "semantic_decode_tokens_per_second",
             "Per-request decode speed (tokens after the first / their time)",

@@ -39,6 +39,8 @@ class RequestRecord:
     num_generated_tokens: int = 0
     cache_tier: str | None = None
     ttft_s: float | None = None
+    handled_s: float | None = None  # from the request's start to the engine getting it
+    engine_wait_s: float | None = None  # from there to joining the batch
     first_token_at: float | None = None
     outcome: str = "ok"
     timeout: asyncio.TimerHandle | None = None
@@ -103,6 +105,10 @@ def watch(request: web.Request, stream: RequestStream) -> RequestStream:
             record.num_prompt_tokens = event.num_prompt_tokens
             record.num_reused_tokens = event.num_cached_tokens
             record.cache_tier = event.cache_tier
+            if event.queued_at:
+                record.handled_s = max(0.0, event.queued_at - record.started)
+                record.engine_wait_s = event.waited_s
+                metrics.engine_wait.observe(record.engine_wait_s)
             metrics.cache_lookups.labels(event.cache_tier).inc()
             metrics.prompt_tokens.labels("reused").inc(event.num_cached_tokens)
             metrics.prompt_tokens.labels("prefilled").inc(event.num_prompt_tokens - event.num_cached_tokens)
@@ -184,7 +190,10 @@ async def observed(request: web.Request, handler: Handler) -> web.StreamResponse
 def _log_summary(request: web.Request, record: RequestRecord, status: int, duration: float) -> None:
     if status >= 400 and record.outcome == "ok":
         record.outcome = f"http_{status}"
-    ttft = f"{record.ttft_s:.3f}" if record.ttft_s is not None else "-"
+
+    def seconds(value: float | None) -> str:
+        return f"{value:.3f}" if value is not None else "-"
+
     logger.bind(
         request_id=record.request_id,
         agent_id=record.agent_id,
@@ -197,10 +206,13 @@ def _log_summary(request: web.Request, record: RequestRecord, status: int, durat
         generated_tokens=record.num_generated_tokens,
         cache_tier=record.cache_tier,
         ttft_s=record.ttft_s,
+        handled_s=record.handled_s,
+        engine_wait_s=record.engine_wait_s,
         duration_s=round(duration, 4),
         outcome=record.outcome,
     ).info(
-        "{} {} {} protocol={} agent={} prompt={} reused={} generated={} ttft={}s duration={:.3f}s outcome={}",
+        "{} {} {} protocol={} agent={} prompt={} reused={} generated={} handled={}s engine_wait={}s "
+        "ttft={}s duration={:.3f}s outcome={}",
         request.method,
         request.path,
         status,
@@ -209,7 +221,9 @@ def _log_summary(request: web.Request, record: RequestRecord, status: int, durat
         record.num_prompt_tokens,
         record.num_reused_tokens,
         record.num_generated_tokens,
-        ttft,
+        seconds(record.handled_s),
+        seconds(record.engine_wait_s),
+        seconds(record.ttft_s),
         duration,
         record.outcome,
     )

@@ -232,6 +232,7 @@ def test_requests_are_measured_logged_and_rate_limited(server: ServerProcess) ->
         'semantic_requests_total{protocol="openai",status="200"}',
         'semantic_requests_total{protocol="openai",status="429"}',
         'semantic_time_to_first_token_seconds_count{protocol="openai"}',
+        "semantic_engine_wait_seconds_count",
         'semantic_cache_lookups_total{tier="none"}',
         'semantic_cache_lookups_total{tier="memory"}',
         "semantic_generated_tokens_total 16.0",
@@ -250,6 +251,8 @@ def test_requests_are_measured_logged_and_rate_limited(server: ServerProcess) ->
         m for m in metrics.splitlines() if m.startswith('semantic_prompt_tokens_total{kind="reused"}')
     )
     assert float(reused.split()[-1]) == cached
+    waits = next(m for m in metrics.splitlines() if m.startswith("semantic_engine_wait_seconds_count"))
+    assert float(waits.split()[-1]) >= 2  # the two turns that reached the engine
     assert "metered" not in metrics  # agents are counted, never labelled
 
     def json_log() -> list[dict[str, Any]]:
@@ -264,6 +267,9 @@ def test_requests_are_measured_logged_and_rate_limited(server: ServerProcess) ->
     assert line["agent_id"] == "metered" and line["protocol"] == "openai" and line["status"] == 200
     assert line["prompt_tokens"] > 0 and line["generated_tokens"] == 8 and line["ttft_s"] > 0
     assert line["outcome"] == "ok" and line["duration_s"] >= line["ttft_s"]
+    # where the time to first token went: the handler's work, then the wait for the batch, then prefill
+    assert line["handled_s"] >= 0 and line["engine_wait_s"] >= 0
+    assert line["handled_s"] + line["engine_wait_s"] <= line["ttft_s"]
     assert any(x.get("outcome") == "rate_limit_error" and x.get("agent_id") == "metered" for x in lines)
 
 
