@@ -14,7 +14,8 @@ Per turn: time to first token, latency, prompt, reused and generated tokens, and
 server's own account of the turn from its JSON log (its time to first token, the time its handler
 took before the engine got the turn, the engine's wait before the turn joined the batch). Per run: wall time
 (restart excluded, reported apart), aggregate decode tokens/s, cache hit rate. Writes
-bench/results/agent_replay.json and the plots agent_replay_ttft.png and agent_replay_throughput.png.
+bench/results/agent_replay.json and the plots agent_replay_ttft.png and agent_replay_throughput.png
+(`--output` renames all three).
 
     python -m semantic.launch .venv/bin/python -m bench.agent_replay [--agents 1 4 8] [--turns 6] [--logs DIR]
 """
@@ -303,7 +304,8 @@ def compare(results: dict[str, dict[str, Any]], agents: list[int]) -> dict[str, 
     return comparison
 
 
-def plot(results: dict[str, dict[str, Any]], agents: list[int]) -> list[Path]:
+def plot(results: dict[str, dict[str, Any]], agents: list[int], name: str) -> list[Path]:
+    """The TTFT-per-turn and throughput plots, named after the results file."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -322,7 +324,7 @@ def plot(results: dict[str, dict[str, Any]], agents: list[int]) -> list[Path]:
     ax.set(xlabel="turn", ylabel="median time to first token (s)", yscale="log")
     ax.set_title(f"{n} agents replaying ~3,000-token sessions (SmolLM2-135M, same machine)")
     ax.legend()
-    ttft_path = RESULTS / "agent_replay_ttft.png"
+    ttft_path = RESULTS / f"{name}_ttft.png"
     fig.tight_layout()
     fig.savefig(ttft_path, dpi=120)
     plt.close(fig)
@@ -334,7 +336,7 @@ def plot(results: dict[str, dict[str, Any]], agents: list[int]) -> list[Path]:
     ax.set(xlabel="concurrent agents", ylabel="generated tokens / wall second", xticks=agents)
     ax.set_title("Replay throughput")
     ax.legend()
-    throughput_path = RESULTS / "agent_replay_throughput.png"
+    throughput_path = RESULTS / f"{name}_throughput.png"
     fig.tight_layout()
     fig.savefig(throughput_path, dpi=120)
     plt.close(fig)
@@ -367,7 +369,7 @@ def main() -> None:
             args.logs.mkdir(parents=True, exist_ok=True)
             for log in Path(scratch).rglob("*.log"):
                 shutil.copy(log, args.logs / f"{log.parent.name}-{log.name}")
-    plots = plot(results, args.agents)
+    plots = plot(results, args.agents, args.output)
     write_results(
         args.output,
         {

@@ -31,7 +31,7 @@ from semantic.engine.messages import (
 )
 from semantic.engine.mixing_generator import GeneratorFactory
 from semantic.engine.outbox import Outbox
-from semantic.engine.prefill_budget import PrefillBudget, per_prompt_chunk
+from semantic.engine.prefill_budget import PrefillBudget, per_prompt_chunk, whole_for_short_prompts
 from semantic.engine.running import RunningSequences
 from semantic.engine.sampling import make_processors, make_sampler
 from semantic.engine.sequence import Sequence, SetAside
@@ -202,20 +202,27 @@ class Batch:
         """The prompt tokens the next step may prefill for each prompt it prefills (mlx-lm's chunk is
         per prompt): the budget's choice for what decodes now, for the prompts it will prefill (the
         first inserted, as many as are prefilled together), shared among them."""
-        together = self._config.num_prefilled_together
-        prefilling = [s.num_uncached_tokens for s in self.running.values() if s.is_prefilling][:together]
+        prefilling = self._prefilling_together()
         tokens = self.prefill_budget.tokens_for_tick(
             mlx_seams.num_generating(self._generator), max(prefilling, default=0)
         )
         return per_prompt_chunk(tokens, len(prefilling), self.prefill_budget.max_tokens)
 
+    def _prefilling_together(self) -> list[int]:
+        """The uncached tokens of each prompt the next step prefills (the first inserted)."""
+        prefilling = [s.num_uncached_tokens for s in self.running.values() if s.is_prefilling]
+        return prefilling[: self._config.num_prefilled_together]
+
     def step(self, chunk: int | None = None) -> None:
         """One generator step: one token for each decoding sequence, a prefill chunk (`chunk`, or
-        sized by the budget), and the ends."""
+        sized by the budget), and the ends. Prompts admitted since the chunk was chosen that all fit
+        one whole chunk go in whole, as the budget has them (a returning agent's turn in one stall,
+        not two): that depends on the prompts alone, so every rank of a group decides the same."""
         generator, budget = self._generator, self.prefill_budget
         num_decoding = mlx_seams.num_generating(generator)
         if chunk is None:
             chunk = self.next_chunk()
+        chunk = whole_for_short_prompts(chunk, self._prefilling_together(), budget.max_tokens)
         mlx_seams.set_prefill_chunk(generator, chunk)
         self._stats.prefill_chunk_tokens = chunk
         prefilled_before = mlx_seams.num_prompt_tokens_processed(generator)
@@ -229,14 +236,8 @@ class Batch:
             return
         elapsed, prefilled = time.perf_counter() - started, mlx_seams.num_prompt_tokens_processed(generator)
         budget.observe(elapsed, num_decoding, prefilled - prefilled_before)
-        logger.debug(
-            "step {}: {} decoding, {} prompt tokens (chunk {}), {:.1f} ms",
-            self._stats.num_steps,
-            num_decoding,
-            prefilled - prefilled_before,
-            chunk,
-            elapsed * 1e3,
-        )
+        logged = num_decoding, prefilled - prefilled_before, chunk
+        logger.debug("step: {} decoding, {} prompt tokens (chunk {}), {:.1f} ms", *logged, elapsed * 1e3)
         self._stats.num_steps += 1
         ended_prompts = self.running.read_prompt_progress(prompt_responses)
         ending = self._read_tokens(generation_responses)

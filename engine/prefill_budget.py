@@ -105,8 +105,8 @@ class PrefillBudget:
 
     def tokens_for_tick(self, num_decoding: int, num_prompt_tokens: int) -> int:
         """The chunk for the next tick, given how many sequences are decoding and the most uncached
-        tokens any prompt now prefilling started with (0: none yet; one admitted in the tick gets
-        the budget's chunk, as its length is not known when the chunk is chosen)."""
+        tokens any prompt now prefilling started with (0: none yet; a prompt admitted in the tick
+        gets the budget's chunk unless it is short enough to go whole: `Batch.step`)."""
         if num_decoding == 0 or self.stall_ratio <= 0 or self.max_tokens <= MIN_CHUNK_TOKENS:
             return self.max_tokens
         if 0 < num_prompt_tokens <= self.max_tokens:  # a short turn: whole, in one stall
@@ -179,6 +179,12 @@ def per_prompt_chunk(tokens: int, num_prompts: int, max_tokens: int) -> int:
     if tokens >= max_tokens or num_prompts <= 1:
         return tokens
     return max(MIN_CHUNK_TOKENS, tokens // num_prompts)
+
+
+def whole_for_short_prompts(chunk: int, prefilling: list[int], max_tokens: int) -> int:
+    """The chunk for prompts about to prefill together (their uncached tokens), once they are
+    known: a whole chunk where every one fits one, as `tokens_for_tick` has them, else `chunk`."""
+    return max(chunk, max_tokens) if prefilling and max(prefilling) <= max_tokens else chunk
 
 
 def _least_token_s(mean_n: float, mean_s: float) -> float:

@@ -22,6 +22,7 @@ from semantic.engine.prefill_budget import (
     TRUSTED_GROWTH,
     PrefillBudget,
     per_prompt_chunk,
+    whole_for_short_prompts,
 )
 from semantic.engine.sampling import SamplingParams
 
@@ -151,6 +152,20 @@ def test_prompts_prefilled_together_share_the_budget(tokens: int, num_prompts: i
         assert chunk * num_prompts <= tokens  # the tick prefills the budget once, not once a prompt
 
 
+@given(
+    st.integers(min_value=MIN_CHUNK_TOKENS, max_value=MAX_CHUNK),
+    st.lists(st.integers(min_value=0, max_value=3 * MAX_CHUNK), max_size=8),
+)
+def test_prompts_that_each_fit_a_chunk_go_whole_and_no_chunk_shrinks(
+    chunk: int, prefilling: list[int]
+) -> None:
+    widened = whole_for_short_prompts(chunk, prefilling, MAX_CHUNK)
+    if prefilling and max(prefilling) <= MAX_CHUNK:
+        assert widened == MAX_CHUNK  # every prompt whole in this step: one stall for the streams
+    else:
+        assert widened == chunk  # a long prompt (or none) keeps the budget's chunk
+
+
 def test_each_batch_size_keeps_its_own_decode_step() -> None:
     """A slow step with more sequences decoding (an arrival joined) does not stretch the stall
     allowed once they are fewer again: every tick then prefills, so D would never be re-measured."""
@@ -222,3 +237,23 @@ async def test_a_running_stream_keeps_decoding_while_a_long_prompt_prefills(engi
     assert num_chunks > 2 * whole_chunks, (num_chunks, len(long_prompt))
     # Prefilled in chunks of changing sizes, the reply is still mlx-lm's own greedy one.
     assert arrival_tokens == await engine.ask(ReferenceGenerate(long_prompt, 8))
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_short_turn_arriving_while_a_stream_decodes_goes_in_one_chunk(engine: Engine) -> None:
+    """A returning agent's new messages fit one chunk: the budget lets them stall the running
+    streams once rather than cutting the turn in two, and that holds in the tick that admits them,
+    before the budget knows their length."""
+    counting = list(engine.model.tokenizer.encode(", ".join(str(i) for i in range(1, 21)) + ","))
+    short_prompt = chat(engine, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 70)
+    assert MAX_CHUNK // 2 < len(short_prompt) <= MAX_CHUNK
+    runner = engine.submit(GenerationRequest("runner", counting, SamplingParams(max_tokens=2000)))
+    async for event in runner:
+        if isinstance(event, TokenDelta):
+            break  # decoding: the arrival is admitted in a tick whose chunk the budget chose
+    arrival = engine.submit(GenerationRequest("arrival", short_prompt, SamplingParams(max_tokens=8)))
+    progress = [e async for e in arrival if isinstance(e, PromptProgress)]
+    runner.cancel()
+    async for _ in runner:
+        pass
+    assert progress == [], f"the {len(short_prompt)}-token turn was prefilled in {len(progress) + 1} chunks"
