@@ -5,7 +5,10 @@ One agent per history length sends its first turn (a user message of about L tok
 time to first token is what an agent pays each turn. Its cost should grow with the new tokens
 only, not with the history. semantic and mlx_lm.server serve the same tiny random-weight Llama with
 a 40K context (4 layers, 256 wide, built from mlx-lm's class) in one run, through the OpenAI
-chat API, streamed. Writes bench/results/history_ttft.json and history_ttft.png.
+chat API, streamed; for semantic each returning turn also carries the server's own account from its
+log (its time to first token; `handled_s`, the handler's time before the engine got the turn, which
+renders and tokenises the whole history; `engine_wait_s`). Writes bench/results/history_ttft.json
+and history_ttft.png.
 
     python -m semantic.launch .venv/bin/python -m bench.history_ttft [--lengths 1024 4096 32768]
 """
@@ -52,7 +55,7 @@ def history_text(num_tokens: int, seed: int) -> str:
 
 
 async def turn(
-    http: aiohttp.ClientSession, server: Server, messages: list[dict[str, str]], agent: str
+    http: aiohttp.ClientSession, server: Server, messages: list[dict[str, str]], agent: str, request_id: str
 ) -> dict[str, Any]:
     body = {
         "model": server.model,
@@ -66,7 +69,7 @@ async def turn(
     ttft: float | None = None
     text: list[str] = []
     usage: dict[str, Any] = {}
-    headers = {"x-session-id": agent}
+    headers = {"x-session-id": agent, "x-request-id": request_id}
     async with http.post(f"{server.base_url}/v1/chat/completions", json=body, headers=headers) as reply:
         if reply.status != 200:
             raise RuntimeError(f"{server.name} answered {reply.status}: {await reply.text()}")
@@ -92,16 +95,16 @@ async def measure(server: Server, lengths: list[int]) -> list[dict[str, Any]]:
     rows = []
     timeout = aiohttp.ClientTimeout(total=7200)
     async with aiohttp.ClientSession(timeout=timeout) as http:
-        await turn(http, server, [{"role": "user", "content": "Warm up."}], "warm-up")
+        await turn(http, server, [{"role": "user", "content": "Warm up."}], "warm-up", "warm-up")
         for length in lengths:
             agent = f"history-{length}"
             messages = [{"role": "user", "content": history_text(length, length)}]
-            first = await turn(http, server, messages, agent)
+            first = await turn(http, server, messages, agent, f"{agent}-first")
             messages += [
                 {"role": "assistant", "content": first["text"]},
                 {"role": "user", "content": "And what comes next?"},
             ]
-            returning = await turn(http, server, messages, agent)
+            returning = await turn(http, server, messages, agent, f"{agent}-returning")
             rows.append(
                 {
                     "history_tokens": first["prompt_tokens"],
@@ -157,6 +160,10 @@ def main() -> None:
                 results[server.name] = asyncio.run(measure(server, args.lengths))
             finally:
                 server.stop()
+            timings = server.request_timings()
+            for row, length in zip(results[server.name], args.lengths, strict=True):
+                if view := timings.get(f"history-{length}-returning"):
+                    row["returning_server_view"] = {k: round(v, 4) for k, v in view.items()}
     summary = {}
     for name, rows in results.items():
         shortest, longest = rows[0], rows[-1]
