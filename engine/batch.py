@@ -234,10 +234,16 @@ class Batch:
             self._generator = self._generators()
             self.running.fail_all(EngineError(f"generation failed: {error}"))
             return
-        elapsed, prefilled = time.perf_counter() - started, mlx_seams.num_prompt_tokens_processed(generator)
-        budget.observe(elapsed, num_decoding, prefilled - prefilled_before)
-        logged = num_decoding, prefilled - prefilled_before, chunk
-        logger.debug("step: {} decoding, {} prompt tokens (chunk {}), {:.1f} ms", *logged, elapsed * 1e3)
+        elapsed = time.perf_counter() - started
+        num_prefilled = mlx_seams.num_prompt_tokens_processed(generator) - prefilled_before
+        budget.observe(elapsed, num_decoding, num_prefilled)
+        logger.debug(
+            "step: {} decoding, {} prompt tokens (chunk {}), {:.1f} ms",
+            num_decoding,
+            num_prefilled,
+            chunk,
+            elapsed * 1e3,
+        )
         self._stats.num_steps += 1
         ended_prompts = self.running.read_prompt_progress(prompt_responses)
         ending = self._read_tokens(generation_responses)

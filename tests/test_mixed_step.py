@@ -58,7 +58,7 @@ def test_a_prompt_prefilled_beside_a_decoding_stream_gives_mlx_lm_s_tokens(
     streaming = chat(runtime, f"{uuid.uuid4().hex} Write a short poem about the sea.")
     cold = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise these notes for me. " * 90)
     chunk = 64
-    assert len(cold) > batch.prefill_budget.max_tokens  # longer than a whole chunk: it goes in the test's
+    assert len(cold) > batch.prefill_budget.max_tokens  # not one whole chunk: cut into the test's chunks
     stream = submit(runtime, loop, streaming, 24)
     steps = 0
     while not any(isinstance(e, TokenDelta) for e in drain(stream)):  # the stream is decoding
