@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 from loguru import logger
 
-from semantic.engine import mlx_seams
+from semantic.engine import kv_seams, mlx_seams
 from semantic.engine.agent_cache import AgentCacheStore
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_keeper import CacheKeeper
@@ -23,7 +23,6 @@ from semantic.engine.commands import Submit
 from semantic.engine.config import EngineConfig, EngineStats
 from semantic.engine.errors import EngineError
 from semantic.engine.loading import LoadedModel
-from semantic.engine.lockstep import next_digest
 from semantic.engine.messages import (
     FinishReason,
     GenerationRequest,
@@ -35,7 +34,7 @@ from semantic.engine.prefill_budget import PrefillBudget, per_prompt_chunk, whol
 from semantic.engine.running import RunningSequences
 from semantic.engine.sampling import make_processors, make_sampler
 from semantic.engine.sequence import Sequence, SetAside
-from semantic.engine.text_stream import TextStream, text_before
+from semantic.engine.text_stream import reply_text_stream
 from semantic.engine.token_logprobs import TokenTexts
 
 
@@ -70,9 +69,8 @@ class Batch:
         )
         self._generator = self._generators()
         self.prefill_budget = PrefillBudget(config.num_tokens_per_prefill_step, config.prefill_stall_ratio)
-        self.running = RunningSequences(CacheKeeper(loaded.spec, store, pool), outbox)
-        self._texts = TokenTexts(loaded.tokenizer)  # for requests that ask for log-probabilities
-        self.token_digest = 0  # of every token generated, in order: ranks of a group compare it
+        keeper = CacheKeeper(loaded.spec, store, pool)
+        self.running = RunningSequences(keeper, outbox, TokenTexts(loaded.tokenizer), stats)
 
     def __len__(self) -> int:
         return len(self.running)
@@ -107,7 +105,7 @@ class Batch:
             sampler = make_sampler(request.sampling, self._loaded.num_token_ids)
             processors = make_processors(request.sampling, self._loaded.num_token_ids)
             processors += [request.grammar] if request.grammar is not None else []  # the mask last
-            text = self._text_stream(request)
+            text = reply_text_stream(request, self._loaded.tokenizer, self._loaded.eos_token_ids)
             uid = self._insert(request, prepared.num_cached_tokens, prepared.caches, sampler, processors)
         except BaseException:
             self._pool.free(reserved)
@@ -138,12 +136,6 @@ class Batch:
             ),
         )
 
-    def _text_stream(self, request: GenerationRequest) -> TextStream:
-        """How the reply's tokens become text; one that continues the prompt's text reads its end."""
-        tokenizer = self._loaded.tokenizer
-        follows = text_before(request.prompt_tokens, tokenizer.decode) if request.continues_text else []
-        return TextStream(tokenizer.detokenizer, request.sampling.stop, self._loaded.eos_token_ids, follows)
-
     def _insert(
         self,
         request: GenerationRequest,
@@ -164,20 +156,10 @@ class Batch:
         )
         return int(uid)
 
-    def lone_prefill(self) -> tuple[int, Sequence, int] | None:
-        """The prompt part-way through its prefill, if it is the only prompt the batch holds: its
-        uid, itself, and how many of its tokens are left to prefill."""
-        prefilling = [(uid, s) for uid, s in self.running.items() if s.is_prefilling]
-        if len(prefilling) != 1:
-            return None
-        uid, sequence = prefilling[0]
-        num_left = sequence.num_left_to_prefill
-        return None if num_left is None else (uid, sequence, num_left)
-
     def set_aside(self, uid: int) -> SetAside | None:
         """Take a prompt out of the generator part-way through its prefill, with the cache it has so
         far; None where its cache cannot be read as views (then it stays)."""
-        views = mlx_seams.cache_views(self._generator, uid)
+        views = kv_seams.cache_views(self._generator, uid)
         if views is None:
             return None
         self._generator.remove([uid])
@@ -202,16 +184,11 @@ class Batch:
         """The prompt tokens the next step may prefill for each prompt it prefills (mlx-lm's chunk is
         per prompt): the budget's choice for what decodes now, for the prompts it will prefill (the
         first inserted, as many as are prefilled together), shared among them."""
-        prefilling = self._prefilling_together()
+        prefilling = self.running.uncached_prompts(self._config.num_prefilled_together)
         tokens = self.prefill_budget.tokens_for_tick(
             mlx_seams.num_generating(self._generator), max(prefilling, default=0)
         )
         return per_prompt_chunk(tokens, len(prefilling), self.prefill_budget.max_tokens)
-
-    def _prefilling_together(self) -> list[int]:
-        """The uncached tokens of each prompt the next step prefills (the first inserted)."""
-        prefilling = [s.num_uncached_tokens for s in self.running.values() if s.is_prefilling]
-        return prefilling[: self._config.num_prefilled_together]
 
     def step(self, chunk: int | None = None) -> None:
         """One generator step: one token for each decoding sequence, a prefill chunk (`chunk`, or
@@ -222,7 +199,8 @@ class Batch:
         num_decoding = mlx_seams.num_generating(generator)
         if chunk is None:
             chunk = self.next_chunk()
-        chunk = whole_for_short_prompts(chunk, self._prefilling_together(), budget.max_tokens)
+        prefilling = self.running.uncached_prompts(self._config.num_prefilled_together)
+        chunk = whole_for_short_prompts(chunk, prefilling, budget.max_tokens)
         mlx_seams.set_prefill_chunk(generator, chunk)
         self._stats.prefill_chunk_tokens = chunk
         prefilled_before = mlx_seams.num_prompt_tokens_processed(generator)
@@ -246,51 +224,21 @@ class Batch:
         )
         self._stats.num_steps += 1
         ended_prompts = self.running.read_prompt_progress(prompt_responses)
-        ending = self._read_tokens(generation_responses)
+        ending = self.running.read_tokens(generation_responses)
         # mlx-lm returns a token one step after computing it, so that its next step overlaps the
         # caller's work; a first token would wait that whole step for nothing: it is taken as soon
         # as it exists. On a GPU that waits for the queued step: the overlap is lost once per prompt
         # (on an H100 the replay's returning turns had their first token after 2 steps, not 3).
         if ended_prompts:
-            for uid, (token, logprobs) in mlx_seams.first_tokens(generator, ended_prompts).items():
-                running = self.running[uid]  # it cannot have ended since its prompt did, this step
-                running.early_token = token
-                self._take_token(running, token, logprobs)
-                if (reason := running.end_reason()) is not None:
-                    ending[uid] = reason
+            ending |= self.running.take_first_tokens(mlx_seams.first_tokens(generator, ended_prompts))
         if ending:
             self._end(ending)
-
-    def _read_tokens(self, generation_responses: list[Any]) -> dict[int, FinishReason]:
-        """Take each decoding sequence's token; returns the sequences that end with it."""
-        ending: dict[int, FinishReason] = {}
-        for response in generation_responses:
-            running = self.running.get(response.uid)
-            if running is None:
-                continue
-            if running.early_token is None:
-                self._take_token(running, response.token, response.logprobs)
-            else:
-                assert running.early_token == response.token, "an early first token changed: engine bug"
-                running.early_token = None
-            if response.finish_reason is not None:  # the generator's own limit: not reached
-                self.running.finish(
-                    response.uid, FinishReason.LENGTH, (response.prompt_cache, response.all_tokens)
-                )
-            elif (reason := running.end_reason()) is not None:
-                ending[response.uid] = reason
-        return ending
-
-    def _take_token(self, running: Sequence, token: int, logprobs: mx.array) -> None:
-        running.take_token(token, logprobs, self._texts)
-        self.token_digest = next_digest(self.token_digest, token)
-        self._stats.num_generated_tokens += 1
 
     def _end(self, ending: dict[int, FinishReason]) -> None:
         """Take sequences out of the generator (at once: each removal gathers the rest of the
         batch), their caches as views into the batch's arrays: only the blocks the pool lacks are
         then copied (mostly the reply's), not the whole history."""
-        held = {uid: mlx_seams.sequence_caches(self._generator, uid) for uid in ending}
+        held = {uid: kv_seams.sequence_caches(self._generator, uid) for uid in ending}
         self._generator.remove(list(ending))
         for uid, reason in ending.items():
             caches = held[uid]

@@ -3,7 +3,7 @@
 A prompt's full blocks are shared as soon as its first token exists, not when its reply ends:
 agents that arrive together with one system prompt then prefill it once, not once each. A
 sequence that ended has its whole cache kept. Both read the batch's arrays through views
-(`mlx_seams.cache_views`), so only the blocks the pool lacks are copied, and both wait for the
+(`kv_seams.cache_views`), so only the blocks the pool lacks are copied, and both wait for the
 tick's events to be posted: reading a cache waits for the step MLX already queued, and a first
 token should not.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from loguru import logger
 from mlx_lm.generate import BatchGenerator
 
-from semantic.engine import mlx_seams
+from semantic.engine import kv_seams
 from semantic.engine.agent_cache import AgentCacheStore
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_spec import ModelCacheSpec
@@ -58,7 +58,7 @@ class CacheKeeper:
         num_blocks = (len(prompt) - 1) // spec.block_size  # blocks whose tokens are all in the cache by now
         if num_blocks <= running.num_cached_tokens // spec.block_size or spec.has_sliding_layers:
             return
-        held = mlx_seams.sequence_caches(generator, uid)
+        held = kv_seams.sequence_caches(generator, uid)
         if held is None:
             return
         try:

@@ -122,7 +122,7 @@ class EngineCore:
         return self._runtime.batch.next_chunk() if self._runtime is not None else 0
 
     def _token_digest(self) -> int:
-        return self._runtime.batch.token_digest if self._runtime is not None else 0
+        return self._runtime.batch.running.token_digest if self._runtime is not None else 0
 
     def _run_tick(self, now: float, chunk: int, fail_reason: str | None) -> None:
         """What every rank does once the tick's messages are applied: admit, step, post."""

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_spec import ModelCacheSpec
-from semantic.engine.mlx_seams import batch_cache_over
+from semantic.engine.kv_seams import batch_cache_over
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,19 +10,32 @@ from __future__ import annotations
 from collections.abc import ItemsView, ValuesView
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from semantic.engine.cache_keeper import CacheKeeper
+from semantic.engine.config import EngineStats
+from semantic.engine.lockstep import next_digest
 from semantic.engine.messages import FinishReason
 from semantic.engine.outbox import Outbox
 from semantic.engine.sequence import FinishedCache, Sequence
+from semantic.engine.token_logprobs import TokenTexts
 
 
 class RunningSequences:
-    def __init__(self, keeper: CacheKeeper, outbox: Outbox) -> None:
+    def __init__(
+        self,
+        keeper: CacheKeeper,
+        outbox: Outbox,
+        texts: TokenTexts | None = None,  # for requests that ask for log-probabilities
+        stats: EngineStats | None = None,
+    ) -> None:
         self._by_uid: dict[int, Sequence] = {}
         self._keeper = keeper
         self._outbox = outbox
+        self._texts = texts
+        self._stats = stats if stats is not None else EngineStats()
+        self.token_digest = 0  # of every token taken, in order: ranks of a group compare it
 
     def __len__(self) -> int:
         return len(self._by_uid)
@@ -49,6 +62,21 @@ class RunningSequences:
         """Take a sequence out without ending it (its prefill set aside, to be inserted again)."""
         return self._by_uid.pop(uid)
 
+    def lone_prefill(self) -> tuple[int, Sequence, int] | None:
+        """The prompt part-way through its prefill, if it is the only prompt here: its uid, itself,
+        and how many of its tokens are left to prefill."""
+        prefilling = [(uid, s) for uid, s in self._by_uid.items() if s.is_prefilling]
+        if len(prefilling) != 1:
+            return None
+        uid, sequence = prefilling[0]
+        num_left = sequence.num_left_to_prefill
+        return None if num_left is None else (uid, sequence, num_left)
+
+    def uncached_prompts(self, most: int) -> list[int]:
+        """The uncached tokens of each of the first `most` prompts still prefilling (in the order
+        they were inserted: the generator prefills them together, first)."""
+        return [s.num_uncached_tokens for s in self._by_uid.values() if s.is_prefilling][:most]
+
     def read_prompt_progress(self, prompt_responses: list[Any]) -> list[int]:
         """Note each prefilling prompt's progress (mlx-lm's reports of a step); returns the uids of
         those whose prompts ended, whose blocks are then shared."""
@@ -64,6 +92,42 @@ class RunningSequences:
                 prefilling.prefilled(*progress.progress)
         self._keeper.prompts_prefilled(ended_prompts)
         return ended_prompts
+
+    def read_tokens(self, generation_responses: list[Any]) -> dict[int, FinishReason]:
+        """Take each decoding sequence's token (mlx-lm's responses of a step); returns the sequences
+        that end with it, by uid."""
+        ending: dict[int, FinishReason] = {}
+        for response in generation_responses:
+            running = self._by_uid.get(response.uid)
+            if running is None:
+                continue
+            if running.early_token is None:
+                self._take(running, response.token, response.logprobs)
+            else:
+                assert running.early_token == response.token, "an early first token changed: engine bug"
+                running.early_token = None
+            if response.finish_reason is not None:  # the generator's own limit: not reached
+                self.finish(response.uid, FinishReason.LENGTH, (response.prompt_cache, response.all_tokens))
+            elif (reason := running.end_reason()) is not None:
+                ending[response.uid] = reason
+        return ending
+
+    def take_first_tokens(self, first: dict[int, tuple[int, mx.array]]) -> dict[int, FinishReason]:
+        """Take the first tokens of prompts that ended this step, before the generator returns them
+        (it will, with its next step); returns the sequences that end with them, by uid."""
+        ending: dict[int, FinishReason] = {}
+        for uid, (token, logprobs) in first.items():
+            running = self._by_uid[uid]  # it cannot have ended since its prompt did, this step
+            running.early_token = token
+            self._take(running, token, logprobs)
+            if (reason := running.end_reason()) is not None:
+                ending[uid] = reason
+        return ending
+
+    def _take(self, running: Sequence, token: int, logprobs: mx.array) -> None:
+        running.take_token(token, logprobs, self._texts)
+        self.token_digest = next_digest(self.token_digest, token)
+        self._stats.num_generated_tokens += 1
 
     def finish(self, uid: int, reason: FinishReason, cache: tuple[Any, Any] | None = None) -> None:
         """End a sequence the generator no longer holds and post its last events; its cache (layer

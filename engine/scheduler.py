@@ -125,7 +125,7 @@ class Scheduler:
     def _overtakable(runtime: Runtime, config: EngineConfig, now: float) -> int | None:
         """The lone prompt part-way through a long prefill that a short turn may overtake (its uid):
         one with more than a chunk left, that has not waited `shortest_first_max_wait_s`."""
-        lone = runtime.batch.lone_prefill()
+        lone = runtime.batch.running.lone_prefill()
         if lone is None:
             return None
         uid, prefilling, num_left = lone

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from semantic.engine.messages import GenerationRequest
 
 
 class TextStream:
@@ -65,6 +68,14 @@ class TextStream:
         cut = len(self._pending) - hold
         text, self._pending = self._pending[:cut], self._pending[cut:]
         return text
+
+
+def reply_text_stream(
+    request: GenerationRequest, tokenizer: Any, eos_token_ids: Collection[int]
+) -> TextStream:
+    """How a request's reply tokens become text; one that continues the prompt's text reads its end."""
+    follows = text_before(request.prompt_tokens, tokenizer.decode) if request.continues_text else []
+    return TextStream(tokenizer.detokenizer, request.sampling.stop, eos_token_ids, follows)
 
 
 def text_before(prompt_tokens: list[int], decode: Callable[[list[int]], str], most: int = 4) -> list[int]:
