@@ -10,6 +10,13 @@ CPU allocator mallocs every array, and an attention score matrix of tens of MB o
 from a fresh `mmap` whose page faults cost more than the arithmetic on it (an elementwise op over
 12.7M floats: 37 ms with mmap, 4 ms from the heap). The heap keeps its peak size instead, and
 every thread shares the main arena, whose settings these are.
+
+And OpenBLAS's idle threads stop spinning almost at once (`BLAS_TUNING`): by default each spins
+for about 2^28 cycles after every call, which costs nothing on an idle machine and everything on
+a busy one, where the spinning threads take the cores from the thread with work. Measured on 2
+cores beside two busy processes: a 36-token reply took 29-38 s instead of 2.3 s idle, 7-11 s with
+the short spin (2.1 s idle, no slower), and a 1.5K-token prefill 25-33 s, 23-25 s with it (6.8 s
+idle either way).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ HEAP_TRIM_IDLE_S = 60.0
 # so on the engine thread (not the main one) those arrays paid the page faults all the same (an
 # elementwise op over 13.6M floats: 55 ms there against 7 ms on the main thread).
 MALLOC_TUNING = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 34), "MALLOC_ARENA_MAX": "1"}
+# OpenBLAS threads spin 2^n cycles waiting for work before they sleep; 4 is the least it takes.
+BLAS_TUNING = {"OPENBLAS_THREAD_TIMEOUT": "4"}
 
 
 def _package_dir(name: str) -> Path | None:
@@ -82,7 +91,7 @@ def fast_blas_env(environ: dict[str, str] | None = None) -> dict[str, str] | Non
         p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p
     ]
     env.update(LD_PRELOAD=":".join(preload), LD_LIBRARY_PATH=":".join(library_path), **{_DONE_MARKER: "1"})
-    for variable, value in MALLOC_TUNING.items():
+    for variable, value in (MALLOC_TUNING | BLAS_TUNING).items():
         env.setdefault(variable, value)
     return _with_blas_threads(env) or env
 
