@@ -2,9 +2,10 @@
 
 The batch ends every sequence itself: at a stop token, its token limit or a stop string, when
 cancelled, or failed with the rest of the batch. On a normal end its cache is kept in the agent
-cache store (`cache_keeper.py`); every end frees its reserved blocks and posts its last events
-(`running.py`). A prompt part-way through its prefill can be set aside with its cache and
-inserted again behind a shorter turn (the scheduler decides when).
+cache store (`cache_keeper.py`); the sequences take their tokens, and every end frees its
+reserved blocks and posts its last events, in `running.py`. A prompt part-way through its prefill
+can be set aside with its cache and inserted again behind a shorter turn (the scheduler decides
+when).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""The batch's running sequences by generator uid, and how each one ends.
+"""The batch's running sequences by generator uid: the tokens each takes, and how each one ends.
 
-A sequence's events gather in its outbox during a tick and are posted at the tick's end (`flush`).
-It ends once: finished with its cache (kept by the `CacheKeeper` once the tick's events are out),
-finished without one, or failed; either way its blocks are released and its last events posted.
+Each step's tokens are taken here (a first token as soon as it is computed, a step before mlx-lm
+returns it), and the ones that end a sequence are reported back to the batch. A sequence's events
+gather in its outbox during a tick and are posted at the tick's end (`flush`). It ends once:
+finished with its cache (kept by the `CacheKeeper` once the tick's events are out), finished
+without one, or failed; either way its blocks are released and its last events posted.
 """
 
 from __future__ import annotations
