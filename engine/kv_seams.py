@@ -7,7 +7,6 @@ whole sequence), a batch cache built over an agent's own arrays (not `merge`'s c
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
@@ -15,10 +14,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from semantic.engine.seam_check import require
-
-# The module, not the `mlx_lm.generate` function that the package exports under the same name.
-_generate_module = importlib.import_module("mlx_lm.generate")
+from semantic.engine.seam_check import generate_module, require
 
 
 def check_kv_seams() -> None:
@@ -155,5 +151,5 @@ def check_batch_cache_takeover() -> None:
     require(
         "PromptProcessingBatch merges its caches with the first cache's `merge` (a rebuilt history "
         "hands its arrays over through it)",
-        lambda: ".merge([c[i] for c in caches])" in inspect.getsource(_generate_module._merge_caches),
+        lambda: ".merge([c[i] for c in caches])" in inspect.getsource(generate_module._merge_caches),
     )

@@ -10,7 +10,6 @@ then stops the load instead of quietly changing the batch's behaviour.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -22,11 +21,9 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import base
 
 from semantic.engine.kv_seams import check_kv_seams
-from semantic.engine.seam_check import WRITTEN_FOR, require
+from semantic.engine.seam_check import WRITTEN_FOR, generate_module, require
 from semantic.engine.seam_check import SeamError as SeamError
 
-# The module, not the `mlx_lm.generate` function that the package exports under the same name.
-_generate_module = importlib.import_module("mlx_lm.generate")
 ATTENTION_PARAMETERS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
 
 
@@ -146,7 +143,7 @@ def check_responses() -> None:
         require(
             f"{owner}.Response is a dataclass with fields {', '.join(sorted(fields))}",
             lambda response, names: names <= {f.name for f in dataclasses.fields(response)},
-            getattr(getattr(_generate_module, owner, None), "Response", None),
+            getattr(getattr(generate_module, owner, None), "Response", None),
             fields,
         )
 

@@ -1,13 +1,16 @@
-"""How a seam (engine/mlx_seams.py, engine/kv_seams.py) checks an assumption about mlx-lm."""
+"""How the seams (engine/mlx_seams.py, kv_seams.py) check an assumption, and the module they read."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 import mlx_lm
 
 WRITTEN_FOR = (0, 32)  # mlx-lm 0.32.x
+# The module, not the `mlx_lm.generate` function that the package exports under the same name.
+generate_module = importlib.import_module("mlx_lm.generate")
 
 
 class SeamError(RuntimeError):
