@@ -45,7 +45,7 @@ fmt:
 tool-model *ARGS:
     {{fast}} {{py}} scripts/make_tool_model.py {{ARGS}}
 
-# Run the benchmarks (about 35 minutes on a 2-core CPU); figures and plots go to bench/results/.
+# Run the benchmarks (about 45 minutes on a 2-core CPU); figures and plots go to bench/results/.
 bench:
     {{fast}} {{py}} -m bench.batching
     {{fast}} {{py}} -m bench.agent_resume
