@@ -29,14 +29,14 @@ class RunningSequences:
         self,
         keeper: CacheKeeper,
         outbox: Outbox,
-        texts: TokenTexts | None = None,  # for requests that ask for log-probabilities
-        stats: EngineStats | None = None,
+        texts: TokenTexts | None,  # for requests that ask for log-probabilities; None: no texts
+        stats: EngineStats,  # counts the tokens taken
     ) -> None:
         self._by_uid: dict[int, Sequence] = {}
         self._keeper = keeper
         self._outbox = outbox
         self._texts = texts
-        self._stats = stats if stats is not None else EngineStats()
+        self._stats = stats
         self.token_digest = 0  # of every token taken, in order: ranks of a group compare it
 
     def __len__(self) -> int:

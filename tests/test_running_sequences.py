@@ -14,6 +14,7 @@ from semantic.engine.agent_cache import AgentCacheStore
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_keeper import CacheKeeper
 from semantic.engine.cache_spec import LayerKind, ModelCacheSpec
+from semantic.engine.config import EngineStats
 from semantic.engine.messages import (
     Event,
     EventChannel,
@@ -73,7 +74,7 @@ def test_every_sequence_ends_once_with_its_tokens_and_frees_its_blocks(
         pool = BlockPool(NUM_BLOCKS, BLOCK, spec.bytes_per_block)
         store = AgentCacheStore(spec, pool, lambda: [KVCache()])
         outbox = Outbox(loop)
-        running = RunningSequences(CacheKeeper(spec, store, pool), outbox)
+        running = RunningSequences(CacheKeeper(spec, store, pool), outbox, None, EngineStats())
         sequences = [a_sequence(i, loop, pool, max_tokens) for i in range(NUM_SEQUENCES)]
         for uid, sequence in enumerate(sequences):
             running.add(uid, sequence)
