@@ -219,16 +219,27 @@ async def test_waiting_prompts_start_with_the_fewest_tokens_to_prefill(engine: E
     _, tokens, _ = await collect(engine.submit(request))
     follow_up = [*first, *tokens, *engine.model.tokenizer.encode("\n<|im_start|>user\nAnother?<|im_end|>\n")]
     prompts = {
-        "blocker": chat(engine, "Summarise: " + "zeta eta " * 300),
         "long cold": chat(engine, "Summarise: " + "alpha beta " * 300),
         "short cold": chat(engine, "Summarise: " + "gamma " * 60),
     }
-    # The others queue while the blocker prefills; they were submitted longest first.
+    # The others queue while the blocker prefills (submitted once it has started: sent with it, the
+    # blocker could meet them in one tick and be ordered among them); they were submitted longest first.
+    blocker = submit(engine, chat(engine, "Summarise: " + "zeta eta " * 300), max_tokens=2)
+    blocker_started = asyncio.Event()
+
+    async def read_blocker() -> None:
+        async for event in blocker:
+            if isinstance(event, PromptStarted):
+                blocker_started.set()
+
+    reading_blocker = asyncio.create_task(read_blocker())
+    await blocker_started.wait()
     streams = {name: submit(engine, prompt, max_tokens=2) for name, prompt in prompts.items()}
     streams["returning"] = engine.submit(
         GenerationRequest("p2", follow_up, SamplingParams(max_tokens=2), agent_id="returning")
     )
     order, started = await started_order(streams)
+    await reading_blocker
     assert [name for name in order if name != "blocker"] == ["returning", "short cold", "long cold"]
     assert started["returning"].num_cached_tokens == len(first) + len(tokens)
 
