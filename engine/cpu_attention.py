@@ -12,10 +12,14 @@ history spent 6.5 s of 9 s in it (SmolLM2-135M, 2 cores). Here:
   `mx.compile` builds one vectorised loop (a broadcast input, or a bit-cast inside, makes it an
   element-at-a-time strided loop or splits it in several: 1.45 ms instead of 0.73 for the scores
   of a 41-token turn over a 2.3K history, one SmolLM2 layer);
-- a causal mask only touches its last L columns, so the row maximum is taken over the rest
-  unmasked;
-- with many rows, the normaliser comes out of the second matmul (values with a column of ones)
-  instead of a separate sum over every score.
+- a causal mask only touches its last L columns: the columns before them (in whole blocks of 64)
+  are scored, exponentiated and weighted as a part of their own, with no mask, and only the rest
+  is masked (a `where` over every score cost about as much as the exponential);
+- MLX's CPU reductions over the last axis run an element at a time, so row maxima are taken over
+  blocks of 64 columns first and the normaliser is a matrix-vector product with ones.
+With the last two, one SmolLM2 layer's attention for a 16-token chunk over 2K tokens of history
+takes 1.5 ms instead of 2.3 (MLX's own: 5.4), and a 16-token chunk's forward pass 139 ms instead
+of 155 (2-vCPU EPYC).
 
 Metal and CUDA keep their fused kernels: `cpu_kernels.install_kernel_hooks` routes mlx-lm's attention
 here only when the model runs on the CPU, only on the engine thread, and only for attention it can
@@ -23,6 +27,9 @@ do exactly as mlx-lm would (no attention sinks, no quantized KV cache).
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import mlx.core as mx
 from loguru import logger
@@ -42,9 +49,7 @@ EXP2_COEFFICIENTS = (
     6.931470357007206e-1,
     1.0000000742738324,
 )
-# Rows of one matmul from which the normaliser rides on the second matmul (a column of ones
-# appended to the values costs a copy of them; a separate sum costs a pass over every score).
-MIN_ROWS_FOR_FOLDED_SUM = 16
+MAX_BLOCK = 64  # row maxima are taken over blocks of this many columns first (`_row_max`)
 
 
 def exp2_factors(t: mx.array) -> tuple[mx.array, mx.array]:
@@ -110,19 +115,57 @@ def softmax(scores: mx.array) -> mx.array:
     return weights / weights.sum(axis=-1, keepdims=True)
 
 
-def _row_max(scores: mx.array, length: int, causal: bool, mask: mx.array | None) -> mx.array:
-    if causal:
-        # Only the last `length` columns hold masked (future) positions.
-        total = scores.shape[-1]
-        visible = scores[..., : total - length].max(axis=-1, keepdims=True) if total > length else None
-        tail_keep = mx.arange(length)[:, None] >= mx.arange(length)[None]
-        tail = mx.where(tail_keep, scores[..., total - length :], -mx.inf).max(axis=-1, keepdims=True)
-        return tail if visible is None else mx.maximum(visible, tail)
-    if mask is None:
+def _row_max(scores: mx.array) -> mx.array:
+    """Each row's maximum (keepdims). A row reduced in one pass runs an element at a time here;
+    as blocks of `MAX_BLOCK` columns (the block maxima elementwise, then one max per row) the first
+    pass vectorises: 0.14 ms instead of 0.28 for the 48 x 2,048 scores of a 16-token chunk."""
+    *lead, width = scores.shape
+    if width % MAX_BLOCK or width == MAX_BLOCK:
         return scores.max(axis=-1, keepdims=True)
-    if mask.dtype == mx.bool_:
-        return mx.where(mask, scores, -mx.inf).max(axis=-1, keepdims=True)
-    return (scores + mask).max(axis=-1, keepdims=True)
+    return scores.reshape(*lead, width // MAX_BLOCK, MAX_BLOCK).max(axis=-2).max(axis=-1, keepdims=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Columns:
+    """Some of the key positions, attended with one kind of mask: none (`mask` None), kept where the
+    boolean mask is true, or an additive bias; a mask has the scores' shape but for `repeats`."""
+
+    keys: mx.array
+    values: mx.array
+    mask: mx.array | None = None
+
+    def row_max(self, scores: mx.array) -> mx.array:
+        if self.mask is None:
+            return _row_max(scores)
+        if self.mask.dtype == mx.bool_:
+            return _row_max(mx.where(self.mask, scores, -mx.inf))
+        return _row_max(scores + self.mask)
+
+    def weights(self, kernels: _Kernels, scores: mx.array, row_max: mx.array) -> mx.array:
+        """exp(scores - row_max), zero where masked out."""
+        if self.mask is None:
+            return kernels.plain(scores, row_max)
+        if self.mask.dtype == mx.bool_:
+            return kernels.kept(scores, row_max, self.mask)
+        return kernels.biased(scores, row_max, self.mask.astype(mx.float32))
+
+
+def _split_columns(
+    keys: mx.array, values: mx.array, length: int, mask: mx.array | str | None
+) -> list[_Columns]:
+    """The key positions by how they are masked. A causal mask hides only some of the last `length`
+    columns: the columns before them (rounded down to whole blocks for `_row_max`) need no mask."""
+    if mask is None:
+        return [_Columns(keys, values)]
+    if isinstance(mask, mx.array):
+        return [_Columns(keys, values, mx.expand_dims(mask, -3) if mask.ndim > 3 else mask)]
+    total = keys.shape[2]
+    open_width = (total - length) // MAX_BLOCK * MAX_BLOCK
+    keep = mx.arange(total - length, total)[:, None] >= mx.arange(open_width, total)[None]
+    tail = _Columns(keys[..., open_width:, :], values[..., open_width:, :], keep)
+    if open_width == 0:
+        return [tail]
+    return [_Columns(keys[..., :open_width, :], values[..., :open_width, :]), tail]
 
 
 def attention(
@@ -130,35 +173,27 @@ def attention(
 ) -> mx.array:
     """Scaled dot-product attention with mlx's semantics ("causal" is bottom-right aligned)."""
     batch, heads, length, dims = queries.shape
-    kv_heads, total = keys.shape[1], keys.shape[2]
+    kv_heads = keys.shape[1]
     repeats = heads // kv_heads
     rows = repeats * length
     folded = (queries * scale).reshape(batch, kv_heads, rows, dims)
-    scores = (folded @ keys.swapaxes(-1, -2)).astype(mx.float32)
-    # [batch, kv heads, repeats, length, total]: a mask of [.., length, total] broadcasts over repeats.
-    scores = scores.reshape(batch, kv_heads, repeats, length, total)
-    causal = isinstance(mask, str)
-    array_mask: mx.array | None = None
-    if isinstance(mask, mx.array):
-        array_mask = mx.expand_dims(mask, -3) if mask.ndim > 3 else mask
-    row_max = _row_max(scores, length, causal, array_mask)
+    columns = _split_columns(keys, values, length, mask)
+    # Each part's scores as [batch, kv heads, repeats, length, width], so a mask broadcasts over repeats.
+    scores = [
+        (folded @ part.keys.swapaxes(-1, -2)).astype(mx.float32).reshape(batch, kv_heads, repeats, length, -1)
+        for part in columns
+    ]
+    row_max = functools.reduce(mx.maximum, [part.row_max(s) for part, s in zip(columns, scores, strict=True)])
     kernels = _compiled()
-    if causal:
-        keep = mx.arange(total - length, total)[:, None] >= mx.arange(total)[None]
-        weights = kernels.kept(scores, row_max, keep)
-    elif array_mask is None:
-        weights = kernels.plain(scores, row_max)
-    elif array_mask.dtype == mx.bool_:
-        weights = kernels.kept(scores, row_max, array_mask)
-    else:
-        weights = kernels.biased(scores, row_max, array_mask.astype(mx.float32))
-    weights = weights.reshape(batch, kv_heads, rows, total).astype(values.dtype)
-    if rows >= MIN_ROWS_FOR_FOLDED_SUM:
-        ones = mx.ones((*values.shape[:-1], 1), dtype=values.dtype)
-        weighted = weights @ mx.concatenate([values, ones], axis=-1)
-        out, normaliser = weighted[..., :-1], weighted[..., -1:]
-    else:
-        out, normaliser = weights @ values, weights.sum(axis=-1, keepdims=True)
+    outs, sums = [], []
+    for part, part_scores in zip(columns, scores, strict=True):
+        weights = part.weights(kernels, part_scores, row_max).reshape(batch, kv_heads, rows, -1)
+        weights = weights.astype(values.dtype)
+        outs.append(weights @ part.values)
+        # The normaliser as a matrix-vector product: a vectorised BLAS call where a sum over the
+        # last axis runs an element at a time (0.01 ms instead of 0.3 for a 16-token chunk's scores).
+        sums.append(weights @ mx.ones((weights.shape[-1], 1), dtype=values.dtype))
+    out, normaliser = functools.reduce(mx.add, outs), functools.reduce(mx.add, sums)
     # A row's largest visible weight is 1, so its normaliser is at least 1; a row with every
     # position masked has none and comes out zero, never NaN (which a zero weight would carry on).
     out = out / mx.maximum(normaliser, 1e-6)

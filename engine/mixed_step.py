@@ -91,6 +91,15 @@ def packed_attention(
     return mx.concatenate([decoded, rows_to_sequence(prompted)], axis=0)
 
 
+def chunk_mask(cache: BatchKVCache, num_chunk: int) -> mx.array | str:
+    """The prompt chunk's mask: "causal" for a lone prompt without left padding (the same mask, which
+    the CPU attention applies to the last columns only), else the cache's own array."""
+    padding = cache.left_padding
+    if padding.size == 1 and padding.item() == 0:
+        return "causal"
+    return cache.make_mask(num_chunk)
+
+
 @dataclass(frozen=True, slots=True)
 class MixedForward:
     """The model's body and head, run over decode rows and a prompt chunk at once."""
@@ -110,7 +119,7 @@ class MixedForward:
         num_decode, num_chunk = decode_tokens.shape[0], len(chunk)
         first_decode, first_prompt = decode_caches[0], prompt_caches[0]
         decode_mask = first_decode.make_mask(1)  # before the pass writes the new positions
-        prompt_mask = first_prompt.make_mask(num_chunk)
+        prompt_mask = chunk_mask(first_prompt, num_chunk)
         offset = mx.concatenate([first_decode.offset, first_prompt.offset + mx.arange(num_chunk)])
         packed = [
             PackedLayerCache(d, p, num_decode, offset, decode_mask, prompt_mask)

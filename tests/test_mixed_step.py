@@ -19,10 +19,10 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache
 
-from semantic.engine import cpu_kernels, mlx_seams
+from semantic.engine import cpu_attention, cpu_kernels, mlx_seams
 from semantic.engine.last_token_fold import forked_sources_match, last_position_head
 from semantic.engine.messages import Finished, PromptProgress, TokenDelta
-from semantic.engine.mixed_step import PackedLayerCache, _batch_caches, mixed_forward_for
+from semantic.engine.mixed_step import PackedLayerCache, _batch_caches, chunk_mask, mixed_forward_for
 from semantic.engine.mixing_generator import MixingBatchGenerator
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
@@ -153,3 +153,23 @@ def test_a_packed_layer_cache_splits_rows_between_the_two_caches() -> None:
     assert mx.array_equal(keys.prompt[0, 0], rows[2:, 0, 0])
     assert mx.array_equal(values.prompt[0, 0], rows[2:, 0, 0] + 100)
     assert decode._idx == 4 and prompt._idx == 3 and packed.make_mask(1) is None
+
+
+@pytest.mark.parametrize("padding", [[0], [2], [0, 1]])
+def test_a_lone_unpadded_prompt_s_chunk_is_masked_causal_and_attends_as_the_cache_s_own_mask(
+    padding: list[int],
+) -> None:
+    """ "causal" only where it is the mask the cache would make: one prompt, no left padding."""
+    cache = BatchKVCache(padding)
+    batch, cached, chunk = len(padding), 70, 9
+    cache.update_and_fetch(mx.zeros((batch, 3, cached, 64)), mx.zeros((batch, 3, cached, 64)))
+    mask = chunk_mask(cache, chunk)
+    own = cache.make_mask(chunk)
+    assert (isinstance(mask, str) and mask == "causal") == (padding == [0])
+    k1, k2, k3 = mx.random.split(mx.random.key(7), 3)
+    queries = mx.random.normal((batch, 9, chunk, 64), key=k1)
+    keys = mx.random.normal((batch, 3, cached + chunk, 64), key=k2) * 3
+    values = mx.random.normal((batch, 3, cached + chunk, 64), key=k3)
+    ours = cpu_attention.attention(queries, keys, values, 0.125, mask)
+    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=own)
+    assert mx.allclose(ours, expected, rtol=1e-4, atol=2e-5)
