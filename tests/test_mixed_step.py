@@ -159,7 +159,7 @@ def test_a_packed_layer_cache_splits_rows_between_the_two_caches() -> None:
 def test_a_lone_unpadded_prompt_s_chunk_is_masked_causal_and_attends_as_the_cache_s_own_mask(
     padding: list[int],
 ) -> None:
-    """ "causal" only where it is the mask the cache would make: one prompt, no left padding."""
+    """The mask "causal" only where it is the one the cache would make: one prompt, no left padding."""
     cache = BatchKVCache(padding)
     batch, cached, chunk = len(padding), 70, 9
     cache.update_and_fetch(mx.zeros((batch, 3, cached, 64)), mx.zeros((batch, 3, cached, 64)))
