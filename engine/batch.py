@@ -31,7 +31,7 @@ from semantic.engine.messages import (
 )
 from semantic.engine.mixing_generator import GeneratorFactory
 from semantic.engine.outbox import Outbox
-from semantic.engine.prefill_budget import PrefillBudget, per_prompt_chunk, whole_for_short_prompts
+from semantic.engine.prefill_budget import PrefillBudget, per_prompt_chunk
 from semantic.engine.running import RunningSequences
 from semantic.engine.sampling import make_processors, make_sampler
 from semantic.engine.sequence import Sequence, SetAside
@@ -69,7 +69,9 @@ class Batch:
             prefill_step_size=config.num_tokens_per_prefill_step,
         )
         self._generator = self._generators()
-        self.prefill_budget = PrefillBudget(config.num_tokens_per_prefill_step, config.prefill_stall_ratio)
+        self.prefill_budget = PrefillBudget(
+            config.num_tokens_per_prefill_step, config.prefill_stall_ratio, config.num_short_turn_tokens
+        )
         keeper = CacheKeeper(loaded.spec, store, pool)
         self.running = RunningSequences(keeper, outbox, TokenTexts(loaded.tokenizer), stats)
 
@@ -193,15 +195,16 @@ class Batch:
 
     def step(self, chunk: int | None = None) -> None:
         """One generator step: one token for each decoding sequence, a prefill chunk (`chunk`, or
-        sized by the budget), and the ends. Prompts admitted since the chunk was chosen that all fit
-        one whole chunk go in whole, as the budget has them (a returning agent's turn in one stall,
-        not two): that depends on the prompts alone, so every rank of a group decides the same."""
+        sized by the budget), and the ends. Prompts admitted since the chunk was chosen that are all
+        short turns go in whole chunks, as the budget has them (a returning agent's turn is not
+        started in a small chunk): that depends on the prompts alone, so every rank of a group
+        decides the same."""
         generator, budget = self._generator, self.prefill_budget
         num_decoding = mlx_seams.num_generating(generator)
         if chunk is None:
             chunk = self.next_chunk()
         prefilling = self.running.uncached_prompts(self._config.num_prefilled_together)
-        chunk = whole_for_short_prompts(chunk, prefilling, budget.max_tokens)
+        chunk = budget.whole_for_short_turns(chunk, prefilling)
         mlx_seams.set_prefill_chunk(generator, chunk)
         self._stats.prefill_chunk_tokens = chunk
         prefilled_before = mlx_seams.num_prompt_tokens_processed(generator)

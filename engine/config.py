@@ -21,6 +21,10 @@ class EngineConfig:
     # While others decode, a tick prefills what takes about this many of their decode steps
     # (engine/prefill_budget.py); 0: always `prefill_step_size`.
     prefill_stall_ratio: float = 1.0
+    # A short turn: a prompt with at most this many uncached tokens (a returning agent's new
+    # messages, a tool result). It is prefilled in whole chunks even while others decode, and may
+    # overtake a long prompt part-way through its prefill. None: one `prefill_step_size` chunk.
+    short_turn_tokens: int | None = None
     # Decode rows and a prompt's chunk in one forward pass where the model allows (engine/mixed_step.py).
     mixed_step: bool = True
     # Waiting prompts are admitted shortest uncached part first; one waiting this long goes first.
@@ -45,6 +49,12 @@ class EngineConfig:
     @property
     def num_tokens_per_prefill_step(self) -> int:
         return self.prefill_step_size or (512 if mx.default_device() == mx.cpu else 2048)
+
+    @property
+    def num_short_turn_tokens(self) -> int:
+        if self.short_turn_tokens is not None:
+            return self.short_turn_tokens
+        return self.num_tokens_per_prefill_step
 
 
 @dataclass(slots=True)

@@ -1,7 +1,8 @@
 """Requests waiting for a batch slot, and which of them join the batch at each tick.
 
-A new prompt batch starts only once the last one is prefilled, except that a short turn (one
-prefill chunk) overtakes a lone long prompt part-way through its prefill; waiting requests go in
+A new prompt batch starts only once the last one is prefilled, except that a short turn (at most
+`short_turn_tokens` uncached: one prefill chunk by default) overtakes a lone long prompt part-way
+through its prefill; waiting requests go in
 by the tokens they still have to prefill, fewest first, and each joins with its KV blocks reserved
 up front (idle agents' caches are evicted, least recently used first, to make room; the caches of
 queued requests are spared while anything runs; a cache read from disk gets room the same way).
@@ -124,12 +125,12 @@ class Scheduler:
     @staticmethod
     def _overtakable(runtime: Runtime, config: EngineConfig, now: float) -> int | None:
         """The lone prompt part-way through a long prefill that a short turn may overtake (its uid):
-        one with more than a chunk left, that has not waited `shortest_first_max_wait_s`."""
+        one with more than a short turn left, that has not waited `shortest_first_max_wait_s`."""
         lone = runtime.batch.running.lone_prefill()
         if lone is None:
             return None
         uid, prefilling, num_left = lone
-        if num_left <= config.num_tokens_per_prefill_step:
+        if num_left <= config.num_short_turn_tokens:
             return None
         return uid if now - prefilling.queued_at < config.shortest_first_max_wait_s else None
 
@@ -137,10 +138,10 @@ class Scheduler:
         self, first: Submit, overtaken: int, runtime: Runtime, config: EngineConfig
     ) -> SetAside | None:
         """Set the overtakable prompt aside when the next waiting request is a short turn (its
-        uncached part fits one prefill chunk) that can go in now; it would otherwise wait for every
+        uncached part is at most `short_turn_tokens`) that can go in now; it would otherwise wait for every
         chunk of the long prompt: a returning agent's turn behind a cold 30K-token history waits a
         minute here. The long prompt goes back in behind the turn, from the cache it has."""
-        if _uncached(runtime.store, first) > config.num_tokens_per_prefill_step:
+        if _uncached(runtime.store, first) > config.num_short_turn_tokens:
             return None
         request = first.request
         needed = _blocks_needed(runtime, request)

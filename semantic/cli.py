@@ -45,6 +45,7 @@ def _system_config(settings: Settings) -> SystemConfig:
         prefill_batch_size=settings.engine.prefill_batch_size or None,
         prefill_step_size=settings.engine.prefill_step_size or None,
         prefill_stall_ratio=settings.engine.prefill_stall_ratio,
+        short_turn_tokens=settings.engine.short_turn_tokens or None,
         mixed_step=settings.engine.mixed_step,
         shortest_first_max_wait_s=settings.engine.shortest_first_max_wait_s,
         pipeline=settings.engine.pipeline,

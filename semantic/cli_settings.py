@@ -52,6 +52,12 @@ MODEL_FLAGS = [
         "while others decode, prefill per tick what takes this many of their decode steps (0: off)",
     ),
     (
+        "--short-turn-tokens",
+        "engine.short_turn_tokens",
+        "prompts with at most this many uncached tokens go in whole chunks while others decode, and "
+        "may overtake a long prefill (0: one prefill step)",
+    ),
+    (
         "--shortest-first-max-wait-s",
         "engine.shortest_first_max_wait_s",
         "queued prompts go fewest uncached tokens first; past this wait, in arrival order",

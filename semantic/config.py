@@ -66,6 +66,8 @@ class EngineSection(_Section):
     prefill_batch_size: Annotated[int, Meta(ge=0, le=256)] = 0  # 0: 1 on the CPU, 8 on a GPU
     prefill_step_size: Annotated[int, Meta(ge=0, le=65536)] = 0  # 0: 512 on the CPU, 2048 on a GPU
     prefill_stall_ratio: Annotated[float, Meta(ge=0, le=100)] = 1.0  # 0: whole chunks (off)
+    # a prompt with at most this many uncached tokens goes in whole chunks; 0: one prefill step
+    short_turn_tokens: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
     mixed_step: bool = True  # decode and a prompt's chunk in one forward pass (engine/mixed_step.py)
     shortest_first_max_wait_s: Annotated[float, Meta(ge=0, le=86400)] = 60.0
     # Under mlx.launch: split the model's layers over the group instead of its heads (where the

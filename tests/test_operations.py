@@ -46,6 +46,16 @@ def test_settings_layers_apply_in_order_and_say_where_each_value_came_from(tmp_p
     assert "limits.max_messages = 2048  # default" in described
 
 
+@pytest.mark.parametrize(("value", "expected"), [("0", None), ("1024", 1024)])
+def test_the_short_turn_setting_reaches_the_engine(value: str, expected: int | None) -> None:
+    from semantic.cli import _system_config
+
+    settings = load_settings({"engine.short_turn_tokens": value}, {}, None).settings
+    engine = _system_config(settings).engine
+    assert engine.short_turn_tokens == expected  # 0: the engine's own default, one prefill chunk
+    assert engine.num_short_turn_tokens == (expected or engine.num_tokens_per_prefill_step)
+
+
 @pytest.mark.parametrize(
     ("layer", "message"),
     [

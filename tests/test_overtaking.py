@@ -85,11 +85,14 @@ class Driver:
 def test_a_short_turn_overtakes_a_long_prefill_which_then_carries_on_from_its_cache(
     runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop
 ) -> None:
-    config = replace(EngineConfig(), prefill_step_size=runtime.batch.prefill_budget.max_tokens)
+    budget = runtime.batch.prefill_budget
+    config = replace(
+        EngineConfig(), prefill_step_size=budget.max_tokens, short_turn_tokens=budget.short_turn_tokens
+    )
     chunk = config.num_tokens_per_prefill_step
     long = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 300)
     short = chat(runtime, f"{uuid.uuid4().hex} Name three colours.")
-    assert len(long) > 2 * chunk and len(short) <= chunk
+    assert len(long) > chunk + config.num_short_turn_tokens and len(short) <= chunk
     driver = Driver(runtime, outbox, loop, config)
     now = time.monotonic()
     long_submit, short_submit = queued(loop, long, 4, now), queued(loop, short, 4, now)
@@ -126,7 +129,10 @@ def test_a_short_turn_overtakes_a_long_prefill_which_then_carries_on_from_its_ca
 def test_a_long_prefill_that_has_waited_too_long_is_not_overtaken(
     runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop
 ) -> None:
-    config = replace(EngineConfig(), prefill_step_size=runtime.batch.prefill_budget.max_tokens)
+    budget = runtime.batch.prefill_budget
+    config = replace(
+        EngineConfig(), prefill_step_size=budget.max_tokens, short_turn_tokens=budget.short_turn_tokens
+    )
     long = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 300)
     short = chat(runtime, f"{uuid.uuid4().hex} Name three colours.")
     driver = Driver(runtime, outbox, loop, config)

@@ -22,11 +22,11 @@ from semantic.engine.prefill_budget import (
     TRUSTED_GROWTH,
     PrefillBudget,
     per_prompt_chunk,
-    whole_for_short_prompts,
 )
 from semantic.engine.sampling import SamplingParams
 
 MAX_CHUNK = 512
+SHORT_TURN = 2 * MAX_CHUNK  # a prompt with at most this many uncached tokens goes in whole chunks
 LONG_PROMPT = 4 * MAX_CHUNK  # a cold history: chunked under the budget
 ticks = st.lists(
     st.tuples(
@@ -42,7 +42,7 @@ ticks = st.lists(
 def test_a_tick_with_streams_decoding_prefills_between_the_floor_and_the_chunk(
     observed: list[tuple[float, int, int]], ratio: float, num_decoding: int
 ) -> None:
-    budget = PrefillBudget(MAX_CHUNK, ratio)
+    budget = PrefillBudget(MAX_CHUNK, ratio, SHORT_TURN)
     chunks: list[int] = []
     for elapsed_s, decoding, prompt_tokens in observed:
         budget.observe(elapsed_s, decoding, prompt_tokens)
@@ -53,7 +53,9 @@ def test_a_tick_with_streams_decoding_prefills_between_the_floor_and_the_chunk(
             trusted = max(MIN_CHUNK_TOKENS, TRUSTED_GROWTH * max(chunks[-RECENT_CHUNKS:]))
             assert budget.tokens_for_tick(num_decoding, LONG_PROMPT) <= trusted
         assert budget.tokens_for_tick(0, LONG_PROMPT) == MAX_CHUNK  # nothing to stall: whole chunks
-        assert budget.tokens_for_tick(num_decoding, MAX_CHUNK) == MAX_CHUNK  # a short turn: whole
+        assert budget.tokens_for_tick(num_decoding, SHORT_TURN) == MAX_CHUNK  # a short turn: whole chunks
+        budgeted = budget.tokens_for_tick(num_decoding, LONG_PROMPT)
+        assert budget.tokens_for_tick(num_decoding, SHORT_TURN + 1) == budgeted  # one token more: budgeted
         assert budget.tokens_for_tick(num_decoding, 0) == budget.tokens_for_tick(num_decoding, LONG_PROMPT)
     if ratio == 0:
         assert budget.tokens_for_tick(num_decoding, LONG_PROMPT) == MAX_CHUNK
@@ -70,7 +72,7 @@ def test_the_chunk_settles_where_prefill_takes_the_ratio_of_a_decode_step(
 ) -> None:
     """On a machine whose tick costs decode + (overhead + n * token) when it prefills n tokens: the
     chunk's prefill takes `ratio` decode steps, or twice its overhead where that is more."""
-    budget = PrefillBudget(MAX_CHUNK, ratio)
+    budget = PrefillBudget(MAX_CHUNK, ratio, SHORT_TURN)
     budget.observe(decode_s, 4, 0)
     for _ in range(200):
         chunk = budget.tokens_for_tick(4, LONG_PROMPT)
@@ -99,7 +101,7 @@ def test_the_chunk_shrinks_as_a_long_prompt_makes_its_tokens_dearer(
     """A prompt's later chunks attend over more: on a machine whose time per prompt token doubles
     every `doubling` tokens prefilled, no chunk past the first few takes much more than its aim
     (the old budget: 6x, keeping a size whose ticks got dearer, or growing it past what it saw)."""
-    budget = PrefillBudget(MAX_CHUNK, ratio)
+    budget = PrefillBudget(MAX_CHUNK, ratio, SHORT_TURN)
     budget.observe(decode_s, 4, 0)
     prefilled = 0
     for tick in range(400):
@@ -127,7 +129,7 @@ def test_the_chunk_grows_though_no_tick_ever_decodes_alone(
     """Agents that arrive together: one prompt decodes while the rest prefill behind it, so no tick
     decodes alone to measure D. The chunk must still leave the floor (on an H200, 16-token chunks
     held 7 agents' first tokens back 5 s), and stay near a decode step's worth of prefill."""
-    budget = PrefillBudget(MAX_CHUNK, 1.0)
+    budget = PrefillBudget(MAX_CHUNK, 1.0, SHORT_TURN)
     chunks = []
     for _ in range(40):
         chunk = budget.tokens_for_tick(1, LONG_PROMPT)
@@ -155,13 +157,17 @@ def test_prompts_prefilled_together_share_the_budget(tokens: int, num_prompts: i
 @given(
     st.integers(min_value=MIN_CHUNK_TOKENS, max_value=MAX_CHUNK),
     st.lists(st.integers(min_value=0, max_value=3 * MAX_CHUNK), max_size=8),
+    st.integers(min_value=0, max_value=3 * MAX_CHUNK),
 )
-def test_prompts_that_each_fit_a_chunk_go_whole_and_no_chunk_shrinks(
-    chunk: int, prefilling: list[int]
+def test_prompts_that_are_all_short_turns_go_in_whole_chunks_and_no_chunk_shrinks(
+    chunk: int, prefilling: list[int], short_turn: int
 ) -> None:
-    widened = whole_for_short_prompts(chunk, prefilling, MAX_CHUNK)
-    if prefilling and max(prefilling) <= MAX_CHUNK:
-        assert widened == MAX_CHUNK  # every prompt whole in this step: one stall for the streams
+    budget = PrefillBudget(MAX_CHUNK, 1.0, short_turn)
+    widened = budget.whole_for_short_turns(chunk, prefilling)
+    if prefilling and max(prefilling) <= short_turn:
+        assert widened == MAX_CHUNK  # every prompt in whole chunks: one stall a chunk for the streams
+        if max(prefilling) > 0:  # and the ticks after it, that know the prompts, agree
+            assert budget.tokens_for_tick(2, max(prefilling)) == MAX_CHUNK
     else:
         assert widened == chunk  # a long prompt (or none) keeps the budget's chunk
 
@@ -169,7 +175,7 @@ def test_prompts_that_each_fit_a_chunk_go_whole_and_no_chunk_shrinks(
 def test_each_batch_size_keeps_its_own_decode_step() -> None:
     """A slow step with more sequences decoding (an arrival joined) does not stretch the stall
     allowed once they are fewer again: every tick then prefills, so D would never be re-measured."""
-    budget = PrefillBudget(MAX_CHUNK, 1.0)
+    budget = PrefillBudget(MAX_CHUNK, 1.0, SHORT_TURN)
     budget.observe(0.05, 2, 0)
     for chunk in (16, 32, 64, 48, 40):  # a line: no fixed cost, 1 ms a token
         budget.observe(0.05 + chunk * 0.001, 2, chunk)
@@ -187,6 +193,7 @@ async def engine(default_model_dir: Path) -> AsyncIterator[Engine]:
         cache_budget_mb=512,
         prefill_step_size=MAX_CHUNK,
         prefill_stall_ratio=1.0,
+        short_turn_tokens=SHORT_TURN,  # the default is one chunk; two show the setting is followed
     )
     engine = Engine(config)
     await engine.start()
@@ -204,6 +211,7 @@ async def test_a_running_stream_keeps_decoding_while_a_long_prompt_prefills(engi
     # Raw text, no chat template: the model goes on counting without ending its turn.
     counting = list(engine.model.tokenizer.encode(", ".join(str(i) for i in range(1, 21)) + ","))
     long_prompt = chat(engine, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 250)
+    assert len(long_prompt) > SHORT_TURN  # a cold history, not a short turn
     runner = engine.submit(GenerationRequest("runner", counting, SamplingParams(max_tokens=2000)))
     arrival = engine.submit(GenerationRequest("arrival", long_prompt, SamplingParams(max_tokens=8)))
     arrival_decoding = False
@@ -240,13 +248,17 @@ async def test_a_running_stream_keeps_decoding_while_a_long_prompt_prefills(engi
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_a_short_turn_arriving_while_a_stream_decodes_goes_in_one_chunk(engine: Engine) -> None:
-    """A returning agent's new messages fit one chunk: the budget lets them stall the running
-    streams once rather than cutting the turn in two, and that holds in the tick that admits them,
-    before the budget knows their length."""
+@pytest.mark.parametrize("repeats", [70, 130])  # one chunk; between one and two (a tool result)
+async def test_a_short_turn_arriving_while_a_stream_decodes_goes_in_whole_chunks(
+    engine: Engine, repeats: int
+) -> None:
+    """A returning agent's new messages (up to `short_turn_tokens`, here two chunks): the budget
+    lets them stall the running streams once a chunk rather than cutting the turn into small ones,
+    and that holds in the tick that admits them, before the budget knows their length."""
     counting = list(engine.model.tokenizer.encode(", ".join(str(i) for i in range(1, 21)) + ","))
-    short_prompt = chat(engine, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 70)
-    assert MAX_CHUNK // 2 < len(short_prompt) <= MAX_CHUNK
+    short_prompt = chat(engine, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * repeats)
+    whole_chunks = math.ceil(len(short_prompt) / MAX_CHUNK)
+    assert MAX_CHUNK // 2 < len(short_prompt) <= SHORT_TURN
     runner = engine.submit(GenerationRequest("runner", counting, SamplingParams(max_tokens=2000)))
     async for event in runner:
         if isinstance(event, TokenDelta):
@@ -256,4 +268,7 @@ async def test_a_short_turn_arriving_while_a_stream_decodes_goes_in_one_chunk(en
     runner.cancel()
     async for _ in runner:
         pass
-    assert progress == [], f"the {len(short_prompt)}-token turn was prefilled in {len(progress) + 1} chunks"
+    num_chunks = len(progress) + 1  # the last chunk ends the prompt and reports no progress
+    assert num_chunks == whole_chunks, (
+        f"the {len(short_prompt)}-token turn was prefilled in {num_chunks} chunks"
+    )
