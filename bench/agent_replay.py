@@ -12,18 +12,22 @@ a GPU the first process to need a kernel compiles it.
 
 Per turn: time to first token, latency, prompt, reused and generated tokens, and for semantic the
 server's own account of the turn from its JSON log (its time to first token, the time its handler
-took before the engine got the turn, the engine's wait before the turn joined the batch). Per run: wall time
-(restart excluded, reported apart), aggregate decode tokens/s, cache hit rate. Writes
+took before the engine got the turn, the engine's wait before the turn joined the batch), and the
+time between its reply's streamed chunks. Per run: wall time (restart excluded, reported apart),
+aggregate decode tokens/s, cache hit rate, and the replies' time between chunks (p50, p99, max:
+what an agent's stream pays while the others' turns are prefilled). Writes
 bench/results/agent_replay.json and the plots agent_replay_ttft.png and agent_replay_throughput.png
 (`--output` renames all three).
 
     python -m semantic.launch .venv/bin/python -m bench.agent_replay [--agents 1 4 8] [--turns 6] [--logs DIR]
+        [--prefill-stall-ratio R] [--short-turn-tokens N]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import shutil
@@ -94,6 +98,7 @@ class TurnRecord:
     server_ttft_s: float | None = None  # semantic's own log: where the client's TTFT went
     server_handled_s: float | None = None
     server_engine_wait_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)  # between the reply's streamed chunks
 
 
 @dataclass
@@ -152,6 +157,7 @@ async def chat_turn(
     headers = {"x-session-id": f"replay-{n_agents}-{session.index}", "x-request-id": request_id}
     start = time.perf_counter()
     ttft: float | None = None
+    chunk_times: list[float] = []
     text: list[str] = []
     usage: dict[str, Any] = {}
     async with http.post(f"{server.base_url}/v1/chat/completions", json=body, headers=headers) as reply:
@@ -165,7 +171,8 @@ async def chat_turn(
                 usage = chunk["usage"]
             for choice in chunk.get("choices", []):
                 if choice["delta"].get("content"):
-                    ttft = ttft or time.perf_counter() - start
+                    chunk_times.append(time.perf_counter())
+                    ttft = ttft or chunk_times[-1] - start
                     text.append(choice["delta"]["content"])
     latency = time.perf_counter() - start
     details = usage.get("prompt_tokens_details") or {}
@@ -177,6 +184,7 @@ async def chat_turn(
         "reused_tokens": details.get("cached_tokens", 0) or 0,
         "generated_tokens": usage.get("completion_tokens", 0),
         "request_id": request_id,
+        "gaps_s": [round(b - a, 4) for a, b in itertools.pairwise(chunk_times)],
     }
 
 
@@ -250,6 +258,7 @@ def summarise(records: list[TurnRecord], wall_s: float, restart_s: float) -> dic
     prompt = sum(r.prompt_tokens for r in records)
     reused = sum(r.reused_tokens for r in records)
     generated = sum(r.generated_tokens for r in records)
+    gaps = sorted(g for r in records for g in r.gaps_s)
     return {
         "wall_s": round(wall_s, 2),
         "restart_s": round(restart_s, 2),
@@ -260,6 +269,9 @@ def summarise(records: list[TurnRecord], wall_s: float, restart_s: float) -> dic
         "generated_tokens": generated,
         "cache_hit_rate": round(reused / prompt, 3) if prompt else 0.0,
         "decode_tokens_per_s": round(generated / wall_s, 2),
+        "itl_p50_s": median(gaps),
+        "itl_p99_s": round(gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))], 3) if gaps else None,
+        "itl_max_s": round(gaps[-1], 3) if gaps else None,
         "median_ttft_first_turn_s": median([r.ttft_s for r in records if r.turn == 0]),
         "median_ttft_returning_s": median([r.ttft_s for r in returning]),
         "median_ttft_first_after_restart_s": median([r.ttft_s for r in after]),
@@ -348,16 +360,19 @@ def main() -> None:
     parser.add_argument("--agents", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--prefill-stall-ratio", help="semantic's --prefill-stall-ratio (default: its own)")
+    parser.add_argument("--short-turn-tokens", help="semantic's --short-turn-tokens (default: its own)")
     parser.add_argument("--output", default="agent_replay", help="results file name, without .json")
     parser.add_argument("--logs", type=Path, help="keep the servers' logs in this folder")
     args = parser.parse_args()
-    ratio = ("--prefill-stall-ratio", args.prefill_stall_ratio) if args.prefill_stall_ratio else ()
+    semantic_args = ("--prefill-stall-ratio", args.prefill_stall_ratio) if args.prefill_stall_ratio else ()
+    if args.short_turn_tokens:
+        semantic_args += ("--short-turn-tokens", args.short_turn_tokens)
     model_dir = ensure_default_model()
     results: dict[str, dict[str, Any]] = {"semantic": {}, "mlx_lm.server": {}}
     with tempfile.TemporaryDirectory() as scratch:
         for n in args.agents:
             servers: list[Server] = [
-                Semantic(model_dir, Path(scratch) / f"semantic-{n}", *ratio),
+                Semantic(model_dir, Path(scratch) / f"semantic-{n}", *semantic_args),
                 MlxLmServer(model_dir, Path(scratch) / "logs", REPLY_TOKENS),
             ]
             for server in servers:
@@ -379,6 +394,7 @@ def main() -> None:
                 "turns": args.turns,
                 "reply_tokens": REPLY_TOKENS,
                 "semantic_prefill_stall_ratio": args.prefill_stall_ratio or "default",
+                "semantic_short_turn_tokens": args.short_turn_tokens or "default",
             },
             "comparison": compare(results, args.agents),
             "plots": [str(p.relative_to(ROOT)) for p in plots],
