@@ -2,10 +2,10 @@
 
 A new prompt batch starts only once the last one is prefilled, except that a short turn (at most
 `short_turn_tokens` uncached: one prefill chunk by default) overtakes a lone long prompt part-way
-through its prefill; waiting requests go in
-by the tokens they still have to prefill, fewest first, and each joins with its KV blocks reserved
-up front (idle agents' caches are evicted, least recently used first, to make room; the caches of
-queued requests are spared while anything runs; a cache read from disk gets room the same way).
+through its prefill; waiting requests go in by the tokens they still have to prefill, fewest
+first, and each joins with its KV blocks reserved up front (idle agents' caches are evicted, least
+recently used first, to make room; the caches of queued requests are spared while anything runs;
+a cache read from disk gets room the same way).
 """
 
 from __future__ import annotations
@@ -138,9 +138,9 @@ class Scheduler:
         self, first: Submit, overtaken: int, runtime: Runtime, config: EngineConfig
     ) -> SetAside | None:
         """Set the overtakable prompt aside when the next waiting request is a short turn (its
-        uncached part is at most `short_turn_tokens`) that can go in now; it would otherwise wait for every
-        chunk of the long prompt: a returning agent's turn behind a cold 30K-token history waits a
-        minute here. The long prompt goes back in behind the turn, from the cache it has."""
+        uncached part is at most `short_turn_tokens`) that can go in now; it would otherwise wait
+        for every chunk of the long prompt: a returning agent's turn behind a cold 30K-token history
+        waits a minute here. The long prompt goes back in behind the turn, from the cache it has."""
         if _uncached(runtime.store, first) > config.num_short_turn_tokens:
             return None
         request = first.request
