@@ -41,7 +41,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import RESULTS, write_results
+from bench.common import RESULTS, percentile, write_results
 from bench.servers import MlxLmServer, Semantic, Server
 from semantic.engine.default_model import ensure_default_model
 from tests.server_process import ROOT
@@ -258,7 +258,7 @@ def summarise(records: list[TurnRecord], wall_s: float, restart_s: float) -> dic
     prompt = sum(r.prompt_tokens for r in records)
     reused = sum(r.reused_tokens for r in records)
     generated = sum(r.generated_tokens for r in records)
-    gaps = sorted(g for r in records for g in r.gaps_s)
+    gaps = [g for r in records for g in r.gaps_s]
     return {
         "wall_s": round(wall_s, 2),
         "restart_s": round(restart_s, 2),
@@ -270,8 +270,8 @@ def summarise(records: list[TurnRecord], wall_s: float, restart_s: float) -> dic
         "cache_hit_rate": round(reused / prompt, 3) if prompt else 0.0,
         "decode_tokens_per_s": round(generated / wall_s, 2),
         "itl_p50_s": median(gaps),
-        "itl_p99_s": round(gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))], 3) if gaps else None,
-        "itl_max_s": round(gaps[-1], 3) if gaps else None,
+        "itl_p99_s": round(percentile(gaps, 0.99), 3) if gaps else None,
+        "itl_max_s": round(max(gaps), 3) if gaps else None,
         "median_ttft_first_turn_s": median([r.ttft_s for r in records if r.turn == 0]),
         "median_ttft_returning_s": median([r.ttft_s for r in returning]),
         "median_ttft_first_after_restart_s": median([r.ttft_s for r in after]),

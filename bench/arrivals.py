@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.common import RESULTS, write_results
+from bench.common import RESULTS, percentile, write_results
 from bench.servers import MlxLmServer, Semantic, Server
 from semantic.engine.default_model import ensure_default_model
 
@@ -45,11 +45,6 @@ def arrival_prompt(seed: int, num_words: int = 1700) -> str:
     rng = random.Random(seed)
     notes = " ".join(rng.choice(WORDS) for _ in range(num_words))
     return f"Request {uuid.uuid4().hex}. Summarise these notes in one line: {notes}"
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def stream_chat(

@@ -22,6 +22,12 @@ def machine() -> dict[str, Any]:
     }
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The value at quantile `q` of `values`, by nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def write_results(name: str, results: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"

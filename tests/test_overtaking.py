@@ -82,13 +82,18 @@ class Driver:
         return [t for t in finished.generated_token_ids if t not in self.runtime.loaded.eos_token_ids]
 
 
+def runtime_config(runtime: Runtime) -> EngineConfig:
+    """The scheduler's settings as the runtime's batch was built with them (its chunk, its short turns)."""
+    budget = runtime.batch.prefill_budget
+    return replace(
+        EngineConfig(), prefill_step_size=budget.max_tokens, short_turn_tokens=budget.short_turn_tokens
+    )
+
+
 def test_a_short_turn_overtakes_a_long_prefill_which_then_carries_on_from_its_cache(
     runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop
 ) -> None:
-    budget = runtime.batch.prefill_budget
-    config = replace(
-        EngineConfig(), prefill_step_size=budget.max_tokens, short_turn_tokens=budget.short_turn_tokens
-    )
+    config = runtime_config(runtime)
     chunk = config.num_tokens_per_prefill_step
     long = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 300)
     short = chat(runtime, f"{uuid.uuid4().hex} Name three colours.")
@@ -129,10 +134,7 @@ def test_a_short_turn_overtakes_a_long_prefill_which_then_carries_on_from_its_ca
 def test_a_long_prefill_that_has_waited_too_long_is_not_overtaken(
     runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop
 ) -> None:
-    budget = runtime.batch.prefill_budget
-    config = replace(
-        EngineConfig(), prefill_step_size=budget.max_tokens, short_turn_tokens=budget.short_turn_tokens
-    )
+    config = runtime_config(runtime)
     long = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 300)
     short = chat(runtime, f"{uuid.uuid4().hex} Name three colours.")
     driver = Driver(runtime, outbox, loop, config)
