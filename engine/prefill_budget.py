@@ -38,11 +38,15 @@ A short turn goes in whole chunks even while streams decode: a prompt whose unca
 most `short_turn_tokens` (by default one chunk), a returning agent's turn (its new messages on top
 of a cached history), costs the running streams one longer stall, where small chunks would each
 pay a decode step and give half of each tick to the streams, and delay that agent's reply about
-two-fold. Only longer prompts (cold histories, long documents) are chunked. Where to draw the line
-is a trade, measured on the 8-agent replay (2 CPU cores, tool results of ~520 new tokens): with
-short turns up to two chunks, the tool results go whole and the returning turns' median time to
-first token fell from 5.5 to 3.4 s, but the streams' time between tokens went from 1.7 to 3.8 s
-at p99 (a 512-token chunk over a 2.6K-token history takes ~2.4 s here): one chunk by default.
+two-fold. Only longer prompts (cold histories, long documents) are chunked. A short turn longer
+than a chunk (with the setting raised) takes as many ticks as whole chunks would, in chunks of one
+size: 520 tokens as two of 260, not 512 and 8, so no tick stalls the streams for a whole chunk
+that one half would do. Where to draw the line is a trade, measured on the 8-agent replay (2 CPU
+cores, tool results of ~520 new tokens): with short turns up to two chunks, the tool results go
+whole and the returning turns' median time to first token fell from 5.5 to 3.4 s, but the
+streams' time between tokens went from 1.7 to 3.6-3.8 s at p99 (a 512-token chunk over a 2.6K-token
+history takes ~2.4 s here, and the ticks in which a sequence joins or leaves the batch copy every
+running cache): one chunk by default.
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ class PrefillBudget:
         if num_decoding == 0 or self.stall_ratio <= 0 or self.max_tokens <= MIN_CHUNK_TOKENS:
             return self.max_tokens
         if 0 < num_prompt_tokens <= self.short_turn_tokens:  # a short turn: whole chunks
-            return self.max_tokens
+            return self.short_turn_chunk(num_prompt_tokens)
         decode_s = self.decode_step_s(num_decoding)
         if decode_s is None or self.token_s is None:
             return MIN_CHUNK_TOKENS  # measure with a small chunk before risking a long stall
@@ -171,11 +175,20 @@ class PrefillBudget:
 
     def whole_for_short_turns(self, chunk: int, prefilling: list[int]) -> int:
         """The chunk for prompts about to prefill together (their uncached tokens), once they are
-        known: a whole chunk where every one is a short turn, as `tokens_for_tick` has them, else
-        `chunk`."""
+        known: a short turn's chunk where every one is a short turn, as `tokens_for_tick` has them,
+        else `chunk`."""
         if prefilling and max(prefilling) <= self.short_turn_tokens:
-            return max(chunk, self.max_tokens)
+            return max(chunk, self.short_turn_chunk(max(prefilling)))
         return chunk
+
+    def short_turn_chunk(self, num_prompt_tokens: int) -> int:
+        """A short turn's chunk: its tokens in as many ticks as whole chunks take, in chunks of one
+        size (520 tokens as two of 260, not 512 and 8), so that no tick stalls the streams longer
+        than that many ticks need."""
+        if num_prompt_tokens <= self.max_tokens:
+            return self.max_tokens
+        num_ticks = -(-num_prompt_tokens // self.max_tokens)
+        return -(-num_prompt_tokens // num_ticks)
 
     def decode_step_s(self, num_decoding: int) -> float | None:
         """D for `num_decoding` sequences: as measured, else as measured for the nearest number, else

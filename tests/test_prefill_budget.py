@@ -165,11 +165,31 @@ def test_prompts_that_are_all_short_turns_go_in_whole_chunks_and_no_chunk_shrink
     budget = PrefillBudget(MAX_CHUNK, 1.0, short_turn)
     widened = budget.whole_for_short_turns(chunk, prefilling)
     if prefilling and max(prefilling) <= short_turn:
-        assert widened == MAX_CHUNK  # every prompt in whole chunks: one stall a chunk for the streams
-        if max(prefilling) > 0:  # and the ticks after it, that know the prompts, agree
-            assert budget.tokens_for_tick(2, max(prefilling)) == MAX_CHUNK
+        longest = max(prefilling)
+        # Every prompt in as few ticks as whole chunks take: one stall a chunk for the streams, and
+        # never a longer one than a chunk.
+        assert chunk <= widened <= MAX_CHUNK
+        assert math.ceil(longest / widened) == math.ceil(longest / MAX_CHUNK)
+        if longest > 0:  # and the ticks after it, that know the prompts, agree
+            assert budget.tokens_for_tick(2, longest) == budget.short_turn_chunk(longest)
+            assert widened == max(chunk, budget.short_turn_chunk(longest))
     else:
         assert widened == chunk  # a long prompt (or none) keeps the budget's chunk
+
+
+@given(st.integers(min_value=1, max_value=8 * MAX_CHUNK))
+def test_a_short_turn_longer_than_a_chunk_is_cut_into_chunks_of_one_size(num_tokens: int) -> None:
+    """520 tokens go as 260 and 260, not as 512 and 8: the same number of ticks, and the longest
+    stall a running stream sees is half as long."""
+    budget = PrefillBudget(MAX_CHUNK, 1.0, 8 * MAX_CHUNK)
+    chunk = budget.short_turn_chunk(num_tokens)
+    num_ticks = math.ceil(num_tokens / MAX_CHUNK)
+    assert chunk <= MAX_CHUNK
+    assert math.ceil(num_tokens / chunk) == num_ticks
+    if num_tokens > MAX_CHUNK:  # the last tick's chunk is at most one token short of the others
+        assert chunk * num_ticks - num_tokens < num_ticks
+    else:
+        assert chunk == MAX_CHUNK  # one tick: as before, whatever the prompt's length
 
 
 def test_each_batch_size_keeps_its_own_decode_step() -> None:
@@ -272,3 +292,7 @@ async def test_a_short_turn_arriving_while_a_stream_decodes_goes_in_whole_chunks
     assert num_chunks == whole_chunks, (
         f"the {len(short_prompt)}-token turn was prefilled in {num_chunks} chunks"
     )
+    # in chunks of one size: the streams' longest stall is as short as that many ticks allow
+    assert [p.num_processed for p in progress] == [
+        math.ceil(len(short_prompt) / whole_chunks) * (i + 1) for i in range(len(progress))
+    ]
