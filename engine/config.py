@@ -22,8 +22,9 @@ class EngineConfig:
     # (engine/prefill_budget.py); 0: always `prefill_step_size`.
     prefill_stall_ratio: float = 1.0
     # A short turn: a prompt with at most this many uncached tokens (a returning agent's new
-    # messages). It is prefilled in whole chunks even while others decode, and may overtake a long
-    # prompt part-way through its prefill. None: one `prefill_step_size` chunk.
+    # messages). It is prefilled in whole chunks even while others decode (one longer than a chunk in
+    # chunks of one size), and may overtake a long prompt part-way through its prefill. None: one
+    # `prefill_step_size` chunk.
     short_turn_tokens: int | None = None
     # Decode rows and a prompt's chunk in one forward pass where the model allows (engine/mixed_step.py).
     mixed_step: bool = True

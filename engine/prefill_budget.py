@@ -40,8 +40,8 @@ of a cached history), costs the running streams one longer stall, where small ch
 pay a decode step and give half of each tick to the streams, and delay that agent's reply about
 two-fold. Only longer prompts (cold histories, long documents) are chunked. A short turn longer
 than a chunk (with the setting raised) takes as many ticks as whole chunks would, in chunks of one
-size: 520 tokens as two of 260, not 512 and 8, so no tick stalls the streams for a whole chunk
-that one half would do. Where to draw the line is a trade, measured on the 8-agent replay (2 CPU
+size: 520 tokens as two of 260, not 512 and 8, so its longest stall is half a chunk, not a whole
+one. Where to draw the line is a trade, measured on the 8-agent replay (2 CPU
 cores, tool results of ~520 new tokens): with short turns up to two chunks, the tool results go
 whole and the returning turns' median time to first token fell from 5.5 to 3.4 s, but the
 streams' time between tokens went from 1.7 to 3.6-3.8 s at p99 (a 512-token chunk over a 2.6K-token
