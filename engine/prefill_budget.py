@@ -35,18 +35,18 @@ On a machine whose time per token doubles every 2K prompt tokens, the property t
 chunk within 2.5x its aim (worst seen 2.1x; before, 6x).
 
 A short turn goes in whole chunks even while streams decode: a prompt whose uncached part is at
-most `short_turn_tokens` (by default one chunk), a returning agent's turn (its new messages on top
-of a cached history), costs the running streams one longer stall, where small chunks would each
-pay a decode step and give half of each tick to the streams, and delay that agent's reply about
-two-fold. Only longer prompts (cold histories, long documents) are chunked. A short turn longer
-than a chunk (with the setting raised) takes as many ticks as whole chunks would, in chunks of one
-size: 520 tokens as two of 260, not 512 and 8, so its longest stall is half a chunk, not a whole
-one. Where to draw the line is a trade, measured on the 8-agent replay (2 CPU
-cores, tool results of ~520 new tokens): with short turns up to two chunks, the tool results go
-whole and the returning turns' median time to first token fell from 5.5 to 3.4 s, but the
-streams' time between tokens went from 1.7 to 3.6-3.8 s at p99 (a 512-token chunk over a 2.6K-token
-history takes ~2.4 s here, and the ticks in which a sequence joins or leaves the batch copy every
-running cache): one chunk by default.
+most `short_turn_tokens` (by default two chunks on the CPU, one on a GPU), a returning agent's turn
+(its new messages on top of a cached history), costs the running streams one longer stall, where
+small chunks would each pay a decode step and give half of each tick to the streams, and delay that
+agent's reply about two-fold. Only longer prompts (cold histories, long documents) are chunked. A
+short turn longer than a chunk takes as many ticks as whole chunks would, in chunks of one size:
+520 tokens as two of 260, not 512 and 8, so its longest stall is half a chunk, not a whole one.
+Where to draw the line is a trade, measured on the 8-agent replay (2 CPU cores, tool results of
+~520 new tokens): with short turns up to two chunks, the tool results go whole and the returning
+turns' median time to first token fell from 5.5 to 3.3 s, but the streams' time between tokens went
+from 1.7 to 3.4 s at p99 (a 512-token chunk over a 2.6K-token history takes ~2.4 s here, and the
+ticks in which a sequence joins or leaves the batch copy every running cache). An agent server
+waits on turns, so the CPU's default is two chunks; a GPU's one chunk is 2,048 tokens already.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Requests waiting for a batch slot, and which of them join the batch at each tick.
 
 A new prompt batch starts only once the last one is prefilled, except that a short turn (at most
-`short_turn_tokens` uncached: one prefill chunk by default) overtakes a lone long prompt part-way
-through its prefill; waiting requests go in by the tokens they still have to prefill, fewest
-first, and each joins with its KV blocks reserved up front (idle agents' caches are evicted, least
-recently used first, to make room; the caches of queued requests are spared while anything runs;
-a cache read from disk gets room the same way).
+`short_turn_tokens` uncached: by default two prefill chunks on the CPU, one on a GPU) overtakes a
+lone long prompt part-way through its prefill; waiting requests go in by the tokens they still have
+to prefill, fewest first, and each joins with its KV blocks reserved up front (idle agents' caches
+are evicted, least recently used first, to make room; the caches of queued requests are spared
+while anything runs; a cache read from disk gets room the same way).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ MODEL_FLAGS = [
         "--short-turn-tokens",
         "engine.short_turn_tokens",
         "prompts with at most this many uncached tokens go in whole chunks while others decode, and "
-        "may overtake a long prefill (0: one prefill step)",
+        "may overtake a long prefill (0: two prefill steps on the CPU, one on a GPU)",
     ),
     (
         "--shortest-first-max-wait-s",
