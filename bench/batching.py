@@ -4,10 +4,15 @@ Both prefill up to 8 prompts together in 512-token chunks (BatchGenerator's defa
 default prefills one prompt at a time, a scheduling choice measured by bench/arrivals.py).
 
 Also samples /health/live latency while 8 requests decode. Writes bench/results/batching.json.
+
+`--model DIR` runs another model directory: a tiny random-weight one (`tests/tiny_models.py`) makes
+each step take about a millisecond on the CPU, as a small model's step does on a GPU, so the ratio
+shows the HTTP path's cost per token where the model's step no longer hides it.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import tempfile
@@ -101,7 +106,11 @@ async def http_tokens_per_s(url: str, tokenizer, n: int, health: list[float] | N
 
 
 def main() -> None:
-    model_dir = ensure_default_model()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="a model directory (default: the default model)")
+    parser.add_argument("--output", default="batching", help="the results file's name")
+    args = parser.parse_args()
+    model_dir = args.model or ensure_default_model()
     model, tokenizer = load(str(model_dir))
     raw_tokens_per_s(model, tokenizer, 1)  # warm-up
     raw = {}
@@ -141,8 +150,9 @@ def main() -> None:
         for n in CONCURRENCY
     }
     write_results(
-        "batching",
+        args.output,
         {
+            "model": model_dir.name,
             "max_tokens": MAX_TOKENS,
             "aggregate_decode": rows,
             "health_live_ms_while_8_decode": {
