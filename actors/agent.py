@@ -235,6 +235,8 @@ class AgentActor:
         if persistence is None or agent_id is None:
             return False
         fingerprint = session.loaded.fingerprint
+        if self._engine.holds_cache(agent_id, fingerprint):  # in memory: no ask, no wait for a tick
+            return False
         if not await self._engine.ask(NeedsRestore(agent_id, fingerprint)):
             return False
         cache = await persistence.load(agent_id)

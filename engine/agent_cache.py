@@ -73,6 +73,9 @@ class AgentCacheStore:
         self.codec = codec or BlockCodec()
         self._new_caches = new_caches
         self.agents: dict[str, AgentCache] = {}
+        # The ids in `agents`, replaced (never changed) as one is filed, evicted or dropped: the
+        # loop side reads it to skip asking the engine thread whether a cache is in memory.
+        self.held_agent_ids: frozenset[str] = frozenset()
         # Evicted caches wait here until the engine hands them to persistence.
         self.evicted: list[CacheSnapshot] = []
         self._anonymous_ids = itertools.count()
@@ -213,6 +216,8 @@ class AgentCacheStore:
         )
         if previous is not None:
             self.pool.free(previous.block_ids)
+        else:
+            self.held_agent_ids = frozenset(self.agents)
         return spare
 
     def publish_prefix(
@@ -260,6 +265,7 @@ class AgentCacheStore:
     def evict(self, agent_id: str) -> CacheSnapshot:
         snapshot = self.snapshot(agent_id)
         agent = self.agents.pop(agent_id)
+        self.held_agent_ids = frozenset(self.agents)
         self.pool.free(agent.block_ids)
         self.evicted.append(snapshot)
         return snapshot
@@ -267,6 +273,7 @@ class AgentCacheStore:
     def drop(self, agent_id: str) -> None:
         agent = self.agents.pop(agent_id, None)
         if agent is not None:
+            self.held_agent_ids = frozenset(self.agents)
             self.pool.free(agent.block_ids)
 
     def snapshot(self, agent_id: str) -> CacheSnapshot:

@@ -108,6 +108,14 @@ class EngineCore:
         stats.mlx_active_bytes, stats.mlx_cache_bytes = mx.get_active_memory(), mx.get_cache_memory()
         logger.info("unloaded {}; MLX active memory now {:.1f} MiB", name, stats.mlx_active_bytes / 2**20)
 
+    def holds_cache(self, agent_id: str, fingerprint: str) -> bool:
+        """Whether model `fingerprint` is loaded with the agent's cache in memory; safe from another
+        thread (it reads the runtime and the store's id set, each replaced whole, never changed)."""
+        runtime = self._runtime
+        if runtime is None or runtime.loaded.fingerprint != fingerprint:
+            return False
+        return agent_id in runtime.store.held_agent_ids
+
     @property
     def _is_busy(self) -> bool:
         return bool(self._scheduler) or (self._runtime is not None and len(self._runtime.batch) > 0)

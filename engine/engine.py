@@ -74,6 +74,12 @@ class Engine:
     def loaded(self) -> LoadedModel | None:
         return self._core.loaded if self._core is not None else None
 
+    def holds_cache(self, agent_id: str, fingerprint: str) -> bool:
+        """Whether the engine holds the agent's cache for model `fingerprint` now, read without a
+        message: an ask waits for the engine thread's tick to end (seconds on a CPU under load).
+        The engine may evict the cache before the agent's next request goes in, as after an ask."""
+        return self._core is not None and self._core.holds_cache(agent_id, fingerprint)
+
     @property
     def model(self) -> LoadedModel:
         if self.loaded is None:

@@ -15,7 +15,7 @@ from semantic.actors.agent_id import AgentId, InvalidAgentIdError, agent_id_from
 from semantic.actors.agent_messages import AgentStoppedError, MailboxFullError, StartTurn
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest, TurnStarted
-from semantic.engine.commands import InspectPool, ListCaches, ReferenceGenerate
+from semantic.engine.commands import InspectPool, ListCaches, NeedsRestore, ReferenceGenerate
 from semantic.engine.engine import EngineConfig, RequestStream
 from semantic.engine.messages import Finished, PromptStarted, TokenDelta
 from semantic.engine.sampling import SamplingParams
@@ -109,6 +109,27 @@ async def converse(system: AgentSystem, agent_id: str, between_turns=None) -> li
 @pytest.mark.asyncio(loop_scope="module")
 async def test_turns_resume_from_memory(system: AgentSystem) -> None:
     report = await converse(system, "memory-agent")
+    for tier, cached, history in report[1:]:
+        assert (tier, cached) == ("memory", history)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_returning_agent_whose_cache_is_in_memory_does_not_wait_on_the_engine_thread(
+    system: AgentSystem, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a turn whose cache the engine does not hold asks it whether to read one from disk (an
+    ask waits for the engine's tick to end); a returning agent's cache is in memory, so it goes
+    straight in, and still resumes from it."""
+    asked: list[object] = []
+    ask = system.engine.ask
+
+    async def recording_ask(command):  # type: ignore[no-untyped-def]
+        asked.append(command)
+        return await ask(command)
+
+    monkeypatch.setattr(system.engine, "ask", recording_ask)
+    report = await converse(system, "held-agent")
+    assert [c.agent_id for c in asked if isinstance(c, NeedsRestore)] == ["held-agent"]  # the first turn
     for tier, cached, history in report[1:]:
         assert (tier, cached) == ("memory", history)
 
