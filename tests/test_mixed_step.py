@@ -56,9 +56,9 @@ def test_a_prompt_prefilled_beside_a_decoding_stream_gives_mlx_lm_s_tokens(
     batch = runtime.batch
     generator = batch._generator
     streaming = chat(runtime, f"{uuid.uuid4().hex} Write a short poem about the sea.")
-    cold = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise these notes for me. " * 90)
+    cold = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise these notes for me. " * 170)
     chunk = 64
-    assert len(cold) > batch.prefill_budget.max_tokens  # not one whole chunk: cut into the test's chunks
+    assert len(cold) > batch.prefill_budget.short_turn_tokens  # not a short turn: cut into the test's chunks
     stream = submit(runtime, loop, streaming, 24)
     steps = 0
     while not any(isinstance(e, TokenDelta) for e in drain(stream)):  # the stream is decoding
