@@ -54,7 +54,7 @@ class EngineConfig:
     @property
     def num_short_turn_tokens(self) -> int:
         """The CPU's default takes an agent's usual tool result (500-1,000 tokens) for a short turn:
-        on the 8-agent replay its first token came at 0.12-0.13x mlx_lm.server's rather than
+        on the 8-agent replay its first token came at 0.11-0.13x mlx_lm.server's rather than
         0.20-0.25x, the replay took 12% less time, and the streams' longest gaps grew (README)."""
         if self.short_turn_tokens is not None:
             return self.short_turn_tokens

@@ -109,12 +109,9 @@ class EngineCore:
         logger.info("unloaded {}; MLX active memory now {:.1f} MiB", name, stats.mlx_active_bytes / 2**20)
 
     def holds_cache(self, agent_id: str, fingerprint: str) -> bool:
-        """Whether model `fingerprint` is loaded with the agent's cache in memory; safe from another
-        thread (it reads the runtime and the store's id set, each replaced whole, never changed)."""
+        """`Runtime.holds` of the runtime loaded now (read once: it is replaced whole); any thread."""
         runtime = self._runtime
-        if runtime is None or runtime.loaded.fingerprint != fingerprint:
-            return False
-        return agent_id in runtime.store.held_agent_ids
+        return runtime is not None and runtime.holds(agent_id, fingerprint)
 
     @property
     def _is_busy(self) -> bool:

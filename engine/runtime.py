@@ -82,8 +82,13 @@ class Runtime:
         evicted, self.store.evicted = self.store.evicted, []
         return evicted
 
+    def holds(self, agent_id: str, fingerprint: str) -> bool:
+        """Whether the agent's cache for model `fingerprint` is in memory; safe from another thread
+        (the store's id set is replaced whole, never changed)."""
+        return self.loaded.fingerprint == fingerprint and agent_id in self.store.held_agent_ids
+
     def needs_restore(self, agent_id: str, fingerprint: str) -> bool:
-        return self.loaded.fingerprint == fingerprint and agent_id not in self.store.agents
+        return self.loaded.fingerprint == fingerprint and agent_id not in self.store.held_agent_ids
 
     def restore(self, cache: SerializedCache, salt: str | None = None) -> None:
         spec = self.loaded.spec
