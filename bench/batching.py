@@ -3,6 +3,9 @@
 Both prefill up to 8 prompts together in 512-token chunks (BatchGenerator's default batch; our CPU
 default prefills one prompt at a time, a scheduling choice measured by bench/arrivals.py).
 
+Raw and HTTP runs alternate in pairs (the order flipped each pair), so the machine's drift over
+minutes falls on both sides; each figure is the median of its runs, and each pair's ratio is kept.
+
 Also samples /health/live latency while 8 requests decode. Writes bench/results/batching.json.
 
 `--model DIR` runs another model directory: a tiny random-weight one (`tests/tiny_models.py`) takes
@@ -30,7 +33,7 @@ from tests.server_process import ServerProcess
 
 CONCURRENCY = [1, 2, 4, 8]
 MAX_TOKENS = 96
-RUNS = 3  # each figure is the median of this many runs: one ~9 s run varies by ~8% on this VM
+RUNS = 5  # raw/HTTP pairs per concurrency; each figure is a median: one ~9 s run varies by ~8% on this VM
 TOPICS = [
     "the ocean",
     "mountains",
@@ -110,17 +113,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="a model directory (default: the default model)")
     parser.add_argument("--output", default="batching", help="the results file's name")
+    parser.add_argument("--runs", type=int, default=RUNS, help="raw/HTTP pairs per concurrency")
     args = parser.parse_args()
     model_dir = args.model or ensure_default_model()
     model, tokenizer = load(str(model_dir))
-    raw_tokens_per_s(model, tokenizer, 1)  # warm-up
-    raw = {}
-    for n in CONCURRENCY:
-        raw[n] = statistics.median([raw_tokens_per_s(model, tokenizer, n) for _ in range(RUNS)])
-    del model
+    raw: dict[int, list[float]] = {n: [] for n in CONCURRENCY}
+    http: dict[int, list[float]] = {n: [] for n in CONCURRENCY}
+    health: list[float] = []
     with tempfile.TemporaryDirectory() as cache:
-        # The same schedule as the raw generator above (its default: up to 8 prompts prefilled
-        # together), so the ratio is the HTTP path's cost, not our CPU default of one prompt at a time.
+        # The same schedule as the raw generator (its default: up to 8 prompts prefilled together),
+        # so the ratio is the HTTP path's cost, not our CPU default of one prompt at a time. The
+        # server idles (no CPU) while the raw generator runs in this process, and the other way round.
         server = ServerProcess(
             Path(cache),
             "--model",
@@ -132,21 +135,28 @@ def main() -> None:
             port=8791,
         ).start()
         try:
-            asyncio.run(http_tokens_per_s(server.base_url, tokenizer, 1))  # warm-up
-            health: list[float] = []
-            http = {}
+            raw_tokens_per_s(model, tokenizer, 1)  # warm-up
+            asyncio.run(http_tokens_per_s(server.base_url, tokenizer, 1))
             for n in CONCURRENCY:
-                http[n] = statistics.median(
-                    asyncio.run(http_tokens_per_s(server.base_url, tokenizer, n, health if n == 8 else None))
-                    for _ in range(RUNS)
-                )
+                # Pairs, the order flipped each time: this VM's speed drifts by several percent over
+                # minutes, and measuring one side's runs before the other's put that drift in the ratio.
+                for run in range(args.runs):
+                    sides = ["raw", "http"] if run % 2 == 0 else ["http", "raw"]
+                    for side in sides:
+                        if side == "raw":
+                            raw[n].append(raw_tokens_per_s(model, tokenizer, n))
+                        else:
+                            probe = health if n == 8 else None
+                            run_http = http_tokens_per_s(server.base_url, tokenizer, n, probe)
+                            http[n].append(asyncio.run(run_http))
         finally:
             server.stop()
     rows = {
         n: {
-            "raw_tok_s": round(raw[n], 1),
-            "http_tok_s": round(http[n], 1),
-            "ratio": round(http[n] / raw[n], 3),
+            "raw_tok_s": round(statistics.median(raw[n]), 1),
+            "http_tok_s": round(statistics.median(http[n]), 1),
+            "ratio": round(statistics.median(http[n]) / statistics.median(raw[n]), 3),
+            "pair_ratios": [round(h / r, 3) for r, h in zip(raw[n], http[n], strict=True)],
         }
         for n in CONCURRENCY
     }
@@ -155,6 +165,7 @@ def main() -> None:
         {
             "model": model_dir.name,
             "max_tokens": MAX_TOKENS,
+            "runs": args.runs,
             "aggregate_decode": rows,
             "health_live_ms_while_8_decode": {
                 "p50": round(statistics.median(health), 2),
