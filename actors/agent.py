@@ -41,10 +41,10 @@ from semantic.actors.turns import (
     TurnRequest,
     TurnStarted,
 )
-from semantic.engine.commands import DropCache, NeedsRestore, RestoreCache, TakeCache
+from semantic.engine.commands import DropCache, RestoreCache, TakeCache
 from semantic.engine.engine import Engine
 from semantic.engine.errors import EngineError, LibraryPanic, as_ordinary
-from semantic.engine.messages import Finished, FinishReason, GenerationRequest
+from semantic.engine.messages import Finished, FinishReason
 from semantic.engine.request_stream import RequestStream
 from semantic.storage.conversation_file import ConversationRecord
 
@@ -147,11 +147,19 @@ class AgentActor:
         with contextlib.ExitStack() as committing:
             async with self._models.lease(turn.model) as session:  # no model switch until submitted
                 conversation = await self._conversation.current(session) if turn.keeps_conversation else None
-                prompt, request = await self._prepare(session, conversation, turn)
-                is_fork = conversation is None and self._is_side_request(session, prompt)
-                if is_fork:
-                    request.agent_id = None  # the engine matches it by content or starts a cache
-                stream = self._engine.submit(request)
+                prompt, request = await build_request(
+                    self._models, session, conversation, turn, self.max_prompt_tokens
+                )
+                request.agent_id = self.agent_id
+                restoring = await self._send_cache_from_disk(session, turn.cache_salt)
+                try:
+                    is_fork = conversation is None and self._is_side_request(session, prompt)
+                    if is_fork:
+                        request.agent_id = None  # the engine matches it by content or starts a cache
+                    stream = self._engine.submit(request)  # behind the restore in the engine's queue
+                finally:
+                    if restoring is not None:
+                        await self._settle_restore(session, restoring)
                 if is_fork:
                     return self._answer_fork(reply, session, prompt, stream)
                 committing.enter_context(self._models.committing())  # files stay open until saved
@@ -216,40 +224,41 @@ class AgentActor:
             )
             self._marks.record(self.agent_id, mark)
 
-    async def _prepare(
-        self, session: ModelSession, conversation: ConversationRecord | None, turn: TurnRequest
-    ) -> tuple[PreparedPrompt, GenerationRequest]:
-        """Render and tokenize the turn (in the tokenizer workers), check its length, and make sure
-        the agent's cache is in memory if it is on disk."""
-        prompt, request = await build_request(
-            self._models, session, conversation, turn, self.max_prompt_tokens
-        )
-        request.agent_id = self.agent_id
-        if await self._restore_from_disk(session, turn.cache_salt):
-            request.cache_tier_hint = "disk"
-        return prompt, request
-
-    async def _restore_from_disk(self, session: ModelSession, cache_salt: str | None) -> bool:
-        """Load the agent's cache into the engine if it is on disk and not in memory."""
+    async def _send_cache_from_disk(
+        self, session: ModelSession, cache_salt: str | None
+    ) -> asyncio.Future[bool] | None:
+        """If the agent's cache is on disk and not in memory, read it and send it to the engine; the
+        answer comes later (`_settle_restore`), so the turn's submit follows without waiting for a
+        tick to end: the engine thread takes its messages in order, the restore first."""
         persistence, agent_id = session.persistence, self.agent_id
         if persistence is None or agent_id is None:
-            return False
-        fingerprint = session.loaded.fingerprint
-        if self._engine.holds_cache(agent_id, fingerprint):  # in memory: no ask, no wait for a tick
-            return False
-        if not await self._engine.ask(NeedsRestore(agent_id, fingerprint)):
-            return False
+            return None
+        # Both read without a message (an ask waits for the engine thread's tick to end, seconds on
+        # a CPU under load): whether the engine serves the turn's model, and holds its cache already.
+        fingerprint, serving = session.loaded.fingerprint, self._engine.loaded
+        if serving is None or serving.fingerprint != fingerprint:
+            return None  # another model was loaded meanwhile: no cache of this one to restore
+        if self._engine.holds_cache(agent_id, fingerprint):
+            return None
         cache = await persistence.load(agent_id)
         if cache is None:
-            return False
+            return None
         try:
-            return await self._engine.ask(RestoreCache(cache, fingerprint, cache_salt))
+            return self._engine.send(RestoreCache(cache, fingerprint, cache_salt))
+        except EngineError as error:  # the engine stopping: the submit says so
+            logger.info("agent {}: cache not restored ({})", agent_id, error)
+            return None
+
+    async def _settle_restore(self, session: ModelSession, restoring: asyncio.Future[bool]) -> None:
+        """The engine's answer to a restore: a file it could not take is quarantined; without room
+        or while the engine stops, the turn computes its history (the engine reports the tier)."""
+        try:
+            await restoring
         except (EngineError, MemoryError) as error:  # the engine stopping, or short of memory: not the file
-            logger.info("agent {}: cache not restored now ({}); its turn computes it", agent_id, error)
-            return False
+            logger.info("agent {}: cache not restored now ({}); its turn computes it", self.agent_id, error)
         except Exception as error:  # a file that passed its checks and still does not fit
-            await persistence.quarantine(agent_id, f"could not restore it: {error}")
-            return False
+            assert session.persistence is not None and self.agent_id is not None, "restore sent: actor bug"
+            await session.persistence.quarantine(self.agent_id, f"could not restore it: {error}")
 
     async def _evict(self) -> bool:
         """Write the agent's cache to disk and free its blocks; False if it had none in memory."""

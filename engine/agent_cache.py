@@ -46,6 +46,7 @@ class AgentCache:
     last_used: float = field(default_factory=time.monotonic)
     num_running: int = 0
     salt: str | None = None  # the cache salt its full blocks are filed under
+    from_disk: bool = False  # restored from a file and not used by a turn since: its tier is "disk"
 
     @property
     def num_tokens(self) -> int:
@@ -120,7 +121,9 @@ class AgentCacheStore:
                 )
                 return PreparedPrompt(agent_id, self._new_caches(), 0, "none")
         caches = self._build_caches(agent, num_reused, len(prompt))
-        return PreparedPrompt(agent_id, caches, num_reused, "memory" if num_reused else "none")
+        tier = ("disk" if agent.from_disk else "memory") if num_reused else "none"
+        agent.from_disk = False
+        return PreparedPrompt(agent_id, caches, num_reused, tier)
 
     def num_reusable(self, agent_id: str | None, prompt: list[int], salt: str | None = None) -> int:
         """How many leading prompt tokens `prepare` would take from memory (for scheduling)."""
@@ -308,3 +311,4 @@ class AgentCacheStore:
 
         allocate = self._allocate_unevicting
         self._file_blocks(snapshot.agent_id, snapshot.token_ids, full_kv, sliding, [], salt, encode, allocate)
+        self.agents[snapshot.agent_id].from_disk = True

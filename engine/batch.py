@@ -103,8 +103,6 @@ class Batch:
             salt = request.cache_salt
             agent_id = store.resolve_agent_id(request.agent_id, request.prompt_tokens, salt)
             prepared = store.prepare(agent_id, request.prompt_tokens, salt)
-            if request.cache_tier_hint and prepared.num_cached_tokens:
-                prepared.tier = request.cache_tier_hint
             sampler = make_sampler(request.sampling, self._loaded.num_token_ids)
             processors = make_processors(request.sampling, self._loaded.num_token_ids)
             processors += [request.grammar] if request.grammar is not None else []  # the mask last

@@ -69,14 +69,6 @@ class Drain(EngineAsk[int]):
 
 
 @dataclass(frozen=True, slots=True)
-class NeedsRestore(EngineAsk[bool]):
-    """True only if the loaded model has `fingerprint` and the agent's cache is not in memory."""
-
-    agent_id: str
-    fingerprint: str
-
-
-@dataclass(frozen=True, slots=True)
 class RestoreCache(EngineAsk[bool]):
     """Put a cache read from disk into memory; False if the loaded model is no longer `fingerprint`."""
 

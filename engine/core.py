@@ -28,7 +28,6 @@ from semantic.engine.commands import (
     ListCaches,
     LoadModel,
     Message,
-    NeedsRestore,
     ReferenceGenerate,
     RestoreCache,
     SnapshotCaches,
@@ -174,8 +173,6 @@ class EngineCore:
                 return self._load(source, name)
             case UnloadModel():
                 return self._unload()
-            case NeedsRestore(agent_id=agent_id, fingerprint=fingerprint):
-                return runtime is not None and runtime.needs_restore(agent_id, fingerprint)
             case RestoreCache(cache=cache, fingerprint=fingerprint, cache_salt=salt):
                 return self._restore(cache.agent_id, fingerprint, salt, cache.num_tokens, lambda: cache)
             case TakeCache(agent_id=agent_id):

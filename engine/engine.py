@@ -188,11 +188,17 @@ class Engine:
 
     async def ask(self, command: EngineAsk[T]) -> T:
         """Have the engine thread answer `command` between steps; its failure is raised here."""
+        return await self.send(command)
+
+    def send(self, command: EngineAsk[T]) -> asyncio.Future[T]:
+        """Queue `command` now and return the future of its answer (its failure is raised there):
+        what is queued after it, a submit, reaches the engine thread after it, in the same tick or
+        a later one."""
         if self._loop is None or self._closed:
             raise EngineError("the engine is not running")
         reply: asyncio.Future[T] = self._loop.create_future()
         self._inbox.put(Envelope(command, reply, self._loop))
-        return await reply
+        return reply
 
     def _thread_main(self, core: ServingCore, ready: asyncio.Future[None]) -> None:
         assert self._loop is not None, "engine thread started without a loop: engine bug"

@@ -26,8 +26,6 @@ class GenerationRequest:
     prompt_tokens: list[int]
     sampling: SamplingParams
     agent_id: str | None = None
-    # "disk" when the agent's cache was just loaded from disk, so usage reports that tier.
-    cache_tier_hint: str | None = None
     # The model the prompt was tokenized for; the engine refuses it if another model is loaded.
     model_fingerprint: str | None = None
     # Roots the prefix-block hash chain: only requests with the same salt share blocks.

@@ -87,9 +87,6 @@ class Runtime:
         (the store's id set is replaced whole, never changed)."""
         return self.loaded.fingerprint == fingerprint and agent_id in self.store.held_agent_ids
 
-    def needs_restore(self, agent_id: str, fingerprint: str) -> bool:
-        return self.loaded.fingerprint == fingerprint and agent_id not in self.store.held_agent_ids
-
     def restore(self, cache: SerializedCache, salt: str | None = None) -> None:
         spec = self.loaded.spec
         snapshot = from_tensors(cache, spec.dtype, len(spec.full_layer_ids), len(spec.sliding_layer_ids))

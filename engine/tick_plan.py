@@ -4,8 +4,8 @@ Every engine decision follows from its state, the messages it takes, and three t
 differ between processes: the clock (admission order), the prefill chunk (sized from measured
 times) and random draws (sampling). So rank 0 shares the clock and chunk it used, gives every
 sampled request a seed, and sends the messages that change engine state as named operations,
-in the order it applies them. Asks that only read state (`NeedsRestore`, `ListCaches`,
-`InspectPool`) and drains stay on rank 0; a drain's timeout reaches the others as `fail_reason`.
+in the order it applies them. Asks that only read state (`ListCaches`, `InspectPool`) and drains
+stay on rank 0; a drain's timeout reaches the others as `fail_reason`.
 
 A tick with no operations costs one small collective (the header); its plan is not encoded.
 """
@@ -51,7 +51,6 @@ class SubmitOp(msgspec.Struct, tag=True):
     seed: int | None
     queued_at: float
     agent_id: str | None = None
-    cache_tier_hint: str | None = None
     model_fingerprint: str | None = None
     cache_salt: str | None = None
     grammar: str | None = None
@@ -206,7 +205,6 @@ def _submit_op(request: GenerationRequest, queued_at: float) -> SubmitOp:
         seed=sampling.seed,
         queued_at=queued_at,
         agent_id=_str(request.agent_id),
-        cache_tier_hint=request.cache_tier_hint,
         model_fingerprint=request.model_fingerprint,
         cache_salt=_str(request.cache_salt),
         grammar=grammar.grammar if grammar is not None else None,
@@ -245,7 +243,6 @@ def request_of(op: SubmitOp) -> GenerationRequest:
         prompt_tokens=op.prompt_tokens,
         sampling=sampling,
         agent_id=op.agent_id,
-        cache_tier_hint=op.cache_tier_hint,
         model_fingerprint=op.model_fingerprint,
         cache_salt=op.cache_salt,
         continues_text=op.continues_text,

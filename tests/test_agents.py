@@ -7,6 +7,7 @@ import gc
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -15,9 +16,10 @@ from semantic.actors.agent_id import AgentId, InvalidAgentIdError, agent_id_from
 from semantic.actors.agent_messages import AgentStoppedError, MailboxFullError, StartTurn
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest, TurnStarted
-from semantic.engine.commands import InspectPool, ListCaches, NeedsRestore, ReferenceGenerate
+from semantic.engine.commands import InspectPool, ListCaches, ReferenceGenerate, RestoreCache
 from semantic.engine.engine import EngineConfig, RequestStream
 from semantic.engine.messages import Finished, PromptStarted, TokenDelta
+from semantic.engine.runtime import Runtime
 from semantic.engine.sampling import SamplingParams
 from semantic.storage.cache_file import CacheIdentity, read_cache_file, write_cache_file
 
@@ -114,22 +116,33 @@ async def test_turns_resume_from_memory(system: AgentSystem) -> None:
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_a_returning_agent_whose_cache_is_in_memory_does_not_wait_on_the_engine_thread(
+async def test_an_agent_whose_cache_is_not_on_disk_never_waits_on_the_engine_thread(
     system: AgentSystem, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Only a turn whose cache the engine does not hold asks it whether to read one from disk (an
-    ask waits for the engine's tick to end); a returning agent's cache is in memory, so it goes
-    straight in, and still resumes from it."""
+    """Whether the engine holds an agent's cache is read without a message (an ask waits for the
+    engine's tick to end): a new agent asks the persistence actor for a file once, on its first
+    turn, finds none and goes in; a returning agent's cache is in memory, so it goes straight in
+    and resumes from it. No turn sends the engine an ask."""
     asked: list[object] = []
-    ask = system.engine.ask
+    loads: list[AgentId] = []
+    send = system.engine.send  # every ask goes through it
+    persistence = system.models.persistence
+    assert persistence is not None
+    load = persistence.load
 
-    async def recording_ask(command):  # type: ignore[no-untyped-def]
+    def recording_send(command):  # type: ignore[no-untyped-def]
         asked.append(command)
-        return await ask(command)
+        return send(command)
 
-    monkeypatch.setattr(system.engine, "ask", recording_ask)
+    async def recording_load(agent_id: AgentId):  # type: ignore[no-untyped-def]
+        loads.append(agent_id)
+        return await load(agent_id)
+
+    monkeypatch.setattr(system.engine, "send", recording_send)
+    monkeypatch.setattr(persistence, "load", recording_load)
     report = await converse(system, "held-agent")
-    assert [c.agent_id for c in asked if isinstance(c, NeedsRestore)] == ["held-agent"]  # the first turn
+    assert [c for c in asked if not isinstance(c, ReferenceGenerate)] == []  # the test's own cold runs
+    assert loads == [AgentId("held-agent")]  # the first turn: no file
     for tier, cached, history in report[1:]:
         assert (tier, cached) == ("memory", history)
 
@@ -145,6 +158,71 @@ async def test_turns_resume_after_eviction_to_disk(system: AgentSystem) -> None:
     report = await converse(system, "disk-agent", between_turns=evict)
     for tier, cached, history in report[1:]:
         assert (tier, cached) == ("disk", history)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_turn_whose_cache_is_on_disk_goes_in_behind_its_restore_without_waiting_for_it(
+    system: AgentSystem, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The restore is sent to the engine and the turn submitted straight after (the engine thread
+    takes them in order), not once the engine has answered, which waits for a tick to end; the
+    turn still resumes from the restored cache, and reports it came from disk."""
+    agent_id = AgentId("restored-behind")
+    sent: list[tuple[object, asyncio.Future[Any]]] = []
+    answered_at_submit: list[bool] = []
+    send, submit = system.engine.send, system.engine.submit
+
+    def recording_send(command):  # type: ignore[no-untyped-def]
+        reply = send(command)
+        sent.append((command, reply))
+        return reply
+
+    def recording_submit(request):  # type: ignore[no-untyped-def]
+        answered_at_submit.extend(
+            reply.done() for command, reply in sent if isinstance(command, RestoreCache)
+        )
+        return submit(request)
+
+    prompt = user_turn(system, TURNS[0], first=True)
+    tokens, _, _ = await run_turn(await generate(system, agent_id, prompt, SamplingParams(max_tokens=8)))
+    assert await system.evict(agent_id)
+    monkeypatch.setattr(system.engine, "send", recording_send)
+    monkeypatch.setattr(system.engine, "submit", recording_submit)
+    follow_up = prompt + tokens + user_turn(system, TURNS[1], first=False)
+    resumed, started, _ = await run_turn(
+        await generate(system, agent_id, follow_up, SamplingParams(max_tokens=8))
+    )
+    assert answered_at_submit == [False]
+    assert [reply.result() for command, reply in sent if isinstance(command, RestoreCache)] == [True]
+    assert (started.cache_tier, started.num_cached_tokens) == ("disk", len(prompt + tokens))
+    assert without_eos(system, resumed) == await cold_output(system, follow_up, 8)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_cache_file_the_engine_cannot_take_is_quarantined_and_the_turn_computes_it(
+    system: AgentSystem, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file that passes its checks and still fails in the engine (here: the restore raises) is
+    quarantined once the engine answers; the turn, already submitted, computes its history."""
+    agent_id = AgentId("untakeable")
+    prompt = user_turn(system, TURNS[0], first=True)
+    tokens, _, _ = await run_turn(await generate(system, agent_id, prompt, SamplingParams(max_tokens=8)))
+    assert await system.evict(agent_id)
+
+    def failing_restore(runtime: Runtime, cache: Any, salt: str | None = None) -> None:
+        raise ValueError("a layer of another shape")
+
+    monkeypatch.setattr(Runtime, "restore", failing_restore)
+    follow_up = prompt + tokens + user_turn(system, TURNS[1], first=False)
+    recomputed, started, _ = await run_turn(
+        await generate(system, agent_id, follow_up, SamplingParams(max_tokens=8))
+    )
+    persistence = system.models.persistence
+    assert persistence is not None
+    assert started.cache_tier != "disk" and started.num_cached_tokens < len(prompt + tokens)
+    assert not persistence.path_for(agent_id).exists()
+    assert any(p.name.startswith(agent_id) for p in persistence.quarantine_dir.iterdir())
+    assert without_eos(system, recomputed) == await cold_output(system, follow_up, 8)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "other-model"])

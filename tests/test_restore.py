@@ -175,32 +175,44 @@ def test_a_restore_that_does_not_fit_takes_no_block(
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["store", "evict", "drop", "restore"]),
+            st.sampled_from(["store", "evict", "drop", "restore", "turn"]),
             st.sampled_from(["a", "b", "c"]),
             st.integers(min_value=1, max_value=2 * BLOCK + 3),
         ),
         max_size=12,
     )
 )
-def test_the_held_ids_read_from_the_event_loop_follow_every_change_of_the_store(
+def test_the_held_ids_and_the_disk_tier_follow_every_change_of_the_store(
     operations: list[tuple[str, str, int]],
 ) -> None:
     """`held_agent_ids`, which an agent reads from the event loop rather than ask the engine thread
-    whether its cache is in memory, names exactly the agents the store holds after each change."""
+    whether its cache is in memory, names exactly the agents the store holds after each change; and
+    the first turn over a cache restored from disk, only that one, reports the "disk" tier."""
     store = a_store("float32", None, num_blocks=64)
+    restored_unused: dict[str, bool] = {}
     for operation, agent_id, num_tokens in operations:
         tokens = list(range(100 * ord(agent_id), 100 * ord(agent_id) + num_tokens))
         if operation == "store":  # a turn's cache filed, new or replacing the agent's last
             store.store(agent_id, tokens, kv_caches(num_tokens), [])
+            restored_unused[agent_id] = False
         elif operation == "evict" and agent_id in store.agents:
             store.evict(agent_id)
+            restored_unused.pop(agent_id)
         elif operation == "drop":
             store.drop(agent_id)
+            restored_unused.pop(agent_id, None)
         elif operation == "restore":
             writer = a_store("float32", None)
             writer.store(agent_id, tokens, kv_caches(num_tokens), [])
             store.restore(from_tensors(to_tensors(writer.snapshot(agent_id)), "float32", LAYERS, 0))
-        assert store.held_agent_ids == frozenset(store.agents)
+            restored_unused[agent_id] = True
+        elif operation == "turn" and agent_id in store.agents:  # the agent returns with one more token
+            held = store.agents[agent_id].token_ids
+            prepared = store.prepare(agent_id, [*held, 1])
+            assert prepared.num_cached_tokens == len(held)
+            assert prepared.tier == ("disk" if restored_unused[agent_id] else "memory")
+            restored_unused[agent_id] = False
+        assert store.held_agent_ids == frozenset(store.agents) == frozenset(restored_unused)
 
 
 def test_two_rebuilt_caches_are_merged_as_mlx_lm_merges_them() -> None:
