@@ -44,7 +44,7 @@ from semantic.actors.turns import (
 from semantic.engine.commands import DropCache, RestoreCache, TakeCache
 from semantic.engine.engine import Engine
 from semantic.engine.errors import EngineError, LibraryPanic, as_ordinary
-from semantic.engine.messages import Finished, FinishReason
+from semantic.engine.messages import Finished, FinishReason, GenerationRequest
 from semantic.engine.request_stream import RequestStream
 from semantic.storage.conversation_file import ConversationRecord
 
@@ -150,16 +150,10 @@ class AgentActor:
                 prompt, request = await build_request(
                     self._models, session, conversation, turn, self.max_prompt_tokens
                 )
-                request.agent_id = self.agent_id
-                restoring = await self._send_cache_from_disk(session, turn.cache_salt)
-                try:
-                    is_fork = conversation is None and self._is_side_request(session, prompt)
-                    if is_fork:
-                        request.agent_id = None  # the engine matches it by content or starts a cache
-                    stream = self._engine.submit(request)  # behind the restore in the engine's queue
-                finally:
-                    if restoring is not None:
-                        await self._settle_restore(session, restoring)
+                is_fork = conversation is None and self._is_side_request(session, prompt)
+                # A fork leaves this agent's cache alone: the engine matches it by content or starts one.
+                request.agent_id = None if is_fork else self.agent_id
+                stream = await self._submit(session, request, turn.cache_salt)
                 if is_fork:
                     return self._answer_fork(reply, session, prompt, stream)
                 committing.enter_context(self._models.committing())  # files stay open until saved
@@ -223,6 +217,18 @@ class AgentActor:
                 session.loaded.fingerprint, prompt.token_ids, final.num_generated_tokens
             )
             self._marks.record(self.agent_id, mark)
+
+    async def _submit(
+        self, session: ModelSession, request: GenerationRequest, cache_salt: str | None
+    ) -> RequestStream:
+        """Submit the turn, behind the agent's cache if that has to be read from disk (the engine
+        thread takes its messages in order), then settle the restore's answer."""
+        restoring = await self._send_cache_from_disk(session, cache_salt)
+        try:
+            return self._engine.submit(request)
+        finally:
+            if restoring is not None:
+                await self._settle_restore(session, restoring)
 
     async def _send_cache_from_disk(
         self, session: ModelSession, cache_salt: str | None
