@@ -66,6 +66,11 @@ NEW_TURN = {
 }
 
 
+def answered(conversation: list[dict[str, str]], reply: dict[str, Any]) -> list[dict[str, str]]:
+    """The conversation with the agent's reply to its last turn and the next new question."""
+    return [*conversation, {"role": "assistant", "content": reply["text"]}, NEW_TURN]
+
+
 async def turn(session: aiohttp.ClientSession, agent: str, messages: list[dict[str, str]]) -> dict[str, Any]:
     body = {
         "messages": messages,
@@ -128,12 +133,11 @@ async def resume_figures(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
     try:
         async with aiohttp.ClientSession() as session:
             first = await turn(session, "returning", history)  # builds the agent's cache
-            conversation = [*history, {"role": "assistant", "content": first["text"]}, NEW_TURN]
-            returning = conversation
+            returning = conversation = answered(history, first)
             warm = []
             for _ in range(SAMPLES):
                 warm.append(await turn(session, "returning", conversation))
-                conversation = [*conversation, {"role": "assistant", "content": warm[-1]["text"]}, NEW_TURN]
+                conversation = answered(conversation, warm[-1])
     finally:
         server.stop()  # SIGTERM: flushes caches to disk
     second = conversation
@@ -144,7 +148,7 @@ async def resume_figures(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
             async with aiohttp.ClientSession() as session:
                 await warm_up(session)
                 disk.append(await turn(session, "returning", conversation))
-                conversation = [*conversation, {"role": "assistant", "content": disk[-1]["text"]}, NEW_TURN]
+                conversation = answered(conversation, disk[-1])
         finally:
             server.stop()
     cold = await cold_ttft(model_dir, cache_dir / "cold-1", returning)
