@@ -14,19 +14,24 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
+from semantic.engine.batch_joins import JoiningBatchKVCache, check_joins_match_mlx_lm
 from semantic.engine.seam_check import generate_module, require
+
+# The batch caches whose arrays `cache_views` can read: mlx-lm's, and the decode batch's own.
+PLAIN_BATCH_CACHES = (BatchKVCache, JoiningBatchKVCache)
 
 
 def check_kv_seams() -> None:
     check_cache_states()
     check_batch_cache_views()
     check_batch_cache_takeover()
+    check_joins_match_mlx_lm()
 
 
 def cache_views(generator: BatchGenerator, uid: int) -> list[KVCache] | None:
     """A running sequence's per-layer caches as views into the batch's arrays, so that only the
     slices read from them are ever copied (`extract_cache` copies the whole sequence first). None
-    unless every layer is a plain `BatchKVCache`."""
+    unless every layer is a plain `BatchKVCache` (or the decode batch's `JoiningBatchKVCache`)."""
     found = generator._find_uids([uid]).get(uid)
     if found is None or found[0] == 0:
         return None
@@ -34,7 +39,7 @@ def cache_views(generator: BatchGenerator, uid: int) -> list[KVCache] | None:
     batch = generator._generation_batch if stage == 2 else generator._prompt_batch
     views: list[KVCache] = []
     for layer in batch.prompt_cache:
-        if type(layer) is not BatchKVCache or layer.keys is None:
+        if type(layer) not in PLAIN_BATCH_CACHES or layer.keys is None:
             return None
         views.append(_sequence_view(layer, index))
     return views

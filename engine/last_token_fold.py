@@ -30,6 +30,8 @@ from loguru import logger
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import make_prompt_cache
 
+from semantic.engine.batch_joins import JoiningBatchKVCache
+
 # SHA-256 of the sources this module's `_next` and the logits hand-over were written against
 # (mlx-lm 0.32.2): `BatchGenerator._next` and `GenerationBatch._step`.
 FORKED_SOURCES = {
@@ -138,8 +140,14 @@ class FoldingBatchGenerator(BatchGenerator):
             self.model, self.sampler, prefill_step_size=self.prefill_step_size
         )
         self._currently_processing = []
-        self._generation_batch.extend(generation)
+        self._join(generation)
         return PromptProcessingBatch.Response(generation.uids[0], (total, total), True, True)
+
+    def _join(self, generation: GenerationBatch) -> None:
+        """Prompts that ended their prefill join the decode batch, whose caches copy each history
+        once when sequences join or leave (`batch_joins.py`)."""
+        generation.prompt_cache = [JoiningBatchKVCache.adopt(c) for c in generation.prompt_cache]
+        self._generation_batch.extend(generation)
 
     def _count_decode_step(self, tic: float, num_tokens: int) -> None:
         """mlx-lm's counters for a decode step that began at `tic`."""
@@ -174,7 +182,7 @@ class FoldingBatchGenerator(BatchGenerator):
         return chunk, response
 
     def _next(self) -> tuple[list[Any], list[Any]]:
-        # Forked from mlx-lm 0.32.2 `BatchGenerator._next`: the block marked FOLD is ours, and
+        # Forked from mlx-lm 0.32.2 `BatchGenerator._next`: the block marked FOLD and `_join` are ours, and
         # mlx-lm's own blocks are the three methods above, which the mixing generator shares.
         generation_responses: list[Any] = []
         prompt_responses: list[Any] = []
@@ -217,7 +225,7 @@ class FoldingBatchGenerator(BatchGenerator):
                         True,
                     )
                 )
-            self._generation_batch.extend(gen_batch)
+            self._join(gen_batch)
 
         # FOLD: a lone prompt whose rest fits this chunk ends here, its last token included.
         if self._foldable():

@@ -20,6 +20,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache
 
 from semantic.engine import cpu_attention, cpu_kernels, mlx_seams
+from semantic.engine.batch_joins import JoiningBatchKVCache
 from semantic.engine.last_token_fold import forked_sources_match, last_position_head
 from semantic.engine.messages import Finished, PromptProgress, TokenDelta
 from semantic.engine.mixed_step import PackedLayerCache, _batch_caches, chunk_mask, mixed_forward_for
@@ -71,10 +72,12 @@ def test_a_prompt_prefilled_beside_a_decoding_stream_gives_mlx_lm_s_tokens(
     prompt = submit(runtime, loop, cold, 6)
 
     events: dict[str, list[object]] = {"stream": [], "prompt": []}
+    decode_cache_types: set[type] = set()
     while not all(any(isinstance(e, Finished) for e in got) for got in events.values()):
         steps += 1
         assert steps < 100, "the requests did not finish"
         batch.step(chunk)
+        decode_cache_types |= {type(c) for c in generator._generation_batch.prompt_cache}
         deliver(runtime, outbox, loop)
         events["stream"] += drain(stream)
         events["prompt"] += drain(prompt)
@@ -87,6 +90,7 @@ def test_a_prompt_prefilled_beside_a_decoding_stream_gives_mlx_lm_s_tokens(
 
     assert tokens(events["stream"]) == runtime.reference_generate(streaming, 24)
     assert tokens(events["prompt"]) == runtime.reference_generate(cold, 6)
+    assert decode_cache_types == {JoiningBatchKVCache}  # the prompt joined the stream's batch at one copy
     # The cold prompt went in chunks while the stream decoded, each token once (the fold counts the last).
     assert mlx_seams.num_prompt_tokens_processed(generator) - processed_before == len(cold)
     progress = [e.num_processed for e in events["prompt"] if isinstance(e, PromptProgress)]
