@@ -5,21 +5,36 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 import pytest
 import pytest_asyncio
 
 from semantic.engine import cpu_attention
 from semantic.engine.cache_matching import is_anonymous
-from semantic.engine.commands import Drain, InspectPool, ListCaches, ReferenceGenerate
+from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.commands import (
+    Cancel,
+    Drain,
+    Envelope,
+    InspectPool,
+    ListCaches,
+    Message,
+    ReferenceGenerate,
+    RestoreCache,
+    Shutdown,
+    Submit,
+)
 from semantic.engine.engine import Engine, EngineConfig, EngineError, PromptTooLongError, RequestStream
 from semantic.engine.messages import Finished, FinishReason, GenerationRequest, PromptStarted, TokenDelta
 from semantic.engine.sampling import SamplingParams
+from semantic.engine.serving import unanswered
 from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -328,3 +343,19 @@ async def test_asks_and_submissions_fail_once_the_engine_stopped(default_model_d
         await engine.ask(ListCaches())
     with pytest.raises(EngineError, match="stopped"):
         submit(engine, prompt)
+
+
+async def test_a_tick_keeps_no_answered_ask_so_a_restored_cache_is_freed_before_its_turn() -> None:
+    loop = asyncio.get_running_loop()
+    tensors = {"tokens": np.arange(4, dtype=np.int32), "full.0.keys": np.zeros((1, 1, 4, 2), np.float32)}
+    held = weakref.ref(tensors["full.0.keys"])
+    restore = Envelope(RestoreCache(SerializedCache("a", tensors, [], 4), "fp"), loop.create_future(), loop)
+    drain = Envelope(Drain(1.0, "test"), loop.create_future(), loop)
+    submit_ = Submit(GenerationRequest("r", [1, 2], SamplingParams()), events=None)  # type: ignore[arg-type]
+    cancel, shutdown = Cancel("r"), Shutdown()
+    messages: list[Message] = [restore, submit_, drain, cancel, shutdown]
+    # What the tick goes on with once its asks are answered: the drain waits for its answer still.
+    assert unanswered(messages) == [submit_, drain, cancel, shutdown]
+    messages = unanswered(messages)
+    del restore, tensors
+    assert held() is None  # the file's arrays are gone before the tick admits the turn
