@@ -4,7 +4,10 @@ Each decoded token reads every weight once and the sequence's KV cache once, so 
 this machine can beat bandwidth / (weight bytes + KV bytes per step). The bandwidth is measured
 here, on the same box, as the best of several matrix-vector products over a 1 GiB matrix; the decode speed is
 one greedy stream through the engine (the agent system in-process, as the server runs it) after a
-~500-token prompt (a count it carries on). Writes bench/results/decode_limit.json.
+~1,100-token prompt (a count it carries on), then shorter streams after longer prompts, each against
+its own limit (a longer context reads more KV a step), and mlx-lm's `stream_generate` on the same
+prompts as the peer. Writes bench/results/decode_limit.json and
+decode_limit.png.
 
     python -m semantic.launch .venv/bin/python -m bench.decode_limit
 """
@@ -12,6 +15,7 @@ one greedy stream through the engine (the agent system in-process, as the server
 from __future__ import annotations
 
 import asyncio
+import functools
 import tempfile
 import time
 from pathlib import Path
@@ -19,8 +23,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm import load, stream_generate
 
-from bench.common import write_results
+from bench.common import RESULTS, write_results
 from semantic import AgentId, AgentSystem, SystemConfig, TurnRequest
 from semantic.engine.default_model import ensure_default_model
 from semantic.engine.engine import EngineConfig
@@ -29,6 +34,8 @@ from semantic.engine.sampling import SamplingParams
 
 NEW_TOKENS = 256
 PROMPT_TOKENS = 500
+CONTEXT_TOKENS = (2048, 4096, 6144)  # the longer prompts, within SmolLM2's 8K context
+CONTEXT_NEW_TOKENS = 64
 
 
 def read_bandwidth(side: int = 16384, repeats: int = 7) -> float:
@@ -45,6 +52,39 @@ def read_bandwidth(side: int = 16384, repeats: int = 7) -> float:
     return matrix.nbytes / best
 
 
+async def stream_speed(system: AgentSystem, name: str, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """One greedy stream's decode speed after `prompt`, past its first tokens' warm-up."""
+    times: list[float] = []
+    turn = TurnRequest(
+        name, AgentId(name), [], SamplingParams(max_tokens=new_tokens), prompt_token_ids=prompt
+    )
+    async for event in (await system.start_turn(turn)).stream:
+        if isinstance(event, TokenDelta) and event.token_ids:
+            times.append(time.perf_counter())
+    steady = times[len(times) // 8 :]
+    return {
+        "prompt_tokens": len(prompt),
+        "generated_tokens": len(times),
+        "decode_tokens_per_s": round((len(steady) - 1) / (steady[-1] - steady[0]), 2),
+        "mean_context_tokens": round(len(prompt) + len(times) / 2),
+    }
+
+
+def mlx_lm_speed(model_dir: Path, prompt: list[int], new_tokens: int) -> float:
+    """The peer: mlx-lm's own `stream_generate` on the same model and prompt, measured the same way
+    (on this thread, so without the engine thread's CPU kernels)."""
+    model, tokenizer = _load_plain(model_dir)
+    times = [time.perf_counter() for _ in stream_generate(model, tokenizer, prompt, max_tokens=new_tokens)]
+    steady = times[len(times) // 8 :]
+    return round((len(steady) - 1) / (steady[-1] - steady[0]), 2)
+
+
+@functools.cache
+def _load_plain(model_dir: Path) -> tuple[Any, Any]:
+    model, tokenizer = load(str(model_dir))[:2]
+    return model, tokenizer
+
+
 async def decode_speed(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
     config = EngineConfig(model=str(model_dir))
     system = AgentSystem(SystemConfig(engine=config, cache_dir=cache_dir, persist_caches=False))
@@ -55,26 +95,55 @@ async def decode_speed(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
         kv_per_token = loaded.spec.num_layers * loaded.spec.bytes_per_token_per_layer
         # Raw text, no chat template: the model goes on counting without ending its turn.
         count = ", ".join(str(i) for i in range(1, PROMPT_TOKENS // 2)) + ","
-        prompt = list(loaded.tokenizer.encode(count))
-        times: list[float] = []
-        sampling = SamplingParams(max_tokens=NEW_TOKENS)
-        turn = TurnRequest("decode", AgentId("decoder"), [], sampling, prompt_token_ids=prompt)
-        async for event in (await system.start_turn(turn)).stream:
-            if isinstance(event, TokenDelta) and event.token_ids:
-                times.append(time.perf_counter())
+        main = await stream_speed(system, "decoder", list(loaded.tokenizer.encode(count)), NEW_TOKENS)
+        # ~5 tokens a number: a count to a quarter of the longest prompt holds it, within the context
+        long_count = list(
+            loaded.tokenizer.encode(", ".join(str(i) for i in range(1, max(CONTEXT_TOKENS) // 4)))
+        )
+        assert len(long_count) >= max(CONTEXT_TOKENS), f"the count is {len(long_count)} tokens"
+        by_context = [
+            await stream_speed(system, f"decoder-{n}", long_count[:n], CONTEXT_NEW_TOKENS)
+            for n in CONTEXT_TOKENS
+        ]
     finally:
         await system.stop(flush=False)
-    steady = times[len(times) // 8 :]  # past the first tokens' warm-up
-    tokens_per_s = (len(steady) - 1) / (steady[-1] - steady[0])
-    mean_context = len(prompt) + len(times) / 2
+    prompts = [list(loaded.tokenizer.encode(count)), *(long_count[:n] for n in CONTEXT_TOKENS)]
+    for row, prompt in zip([main, *by_context], prompts, strict=True):
+        row["bytes_per_step"] = round(weight_bytes + row.pop("mean_context_tokens") * kv_per_token)
+        row["mlx_lm_decode_tokens_per_s"] = mlx_lm_speed(model_dir, prompt, row["generated_tokens"])
     return {
-        "prompt_tokens": len(prompt),
-        "generated_tokens": len(times),
+        **main,
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_per_token,
-        "bytes_per_step": round(weight_bytes + mean_context * kv_per_token),
-        "decode_tokens_per_s": round(tokens_per_s, 2),
+        "by_context": by_context,
     }
+
+
+def plot(rows: list[dict[str, Any]], bandwidth: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    xs = [row["prompt_tokens"] for row in rows]
+    axis.plot(
+        xs, [bandwidth / row["bytes_per_step"] for row in rows], linestyle=":", marker="x", label="limit"
+    )
+    axis.plot(xs, [row["decode_tokens_per_s"] for row in rows], marker="o", label="semantic, one stream")
+    axis.plot(
+        xs, [row["mlx_lm_decode_tokens_per_s"] for row in rows], marker="s", label="mlx-lm stream_generate"
+    )
+    for row in rows:
+        percent = 100 * row["decode_tokens_per_s"] * row["bytes_per_step"] / bandwidth
+        axis.annotate(f"{percent:.0f}%", (row["prompt_tokens"], row["decode_tokens_per_s"]), fontsize=8)
+    axis.set_ylim(bottom=0)
+    axis.set_xlabel("prompt (tokens)")
+    axis.set_ylabel("decode (tokens/s)")
+    axis.set_title(f"Single-stream decode against the bandwidth limit ({bandwidth / 1e9:.1f} GB/s)")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 def main() -> None:
@@ -83,6 +152,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="semantic-decode-") as cache:
         decode = asyncio.run(decode_speed(model_dir, Path(cache)))
     limit = bandwidth / decode["bytes_per_step"]
+    for row in decode["by_context"]:
+        row["bandwidth_limit_tokens_per_s"] = round(bandwidth / row["bytes_per_step"], 2)
+        row["percent_of_limit"] = round(
+            100 * row["decode_tokens_per_s"] / row["bandwidth_limit_tokens_per_s"], 1
+        )
+    plot([decode, *decode["by_context"]], bandwidth, RESULTS / "decode_limit.png")
     write_results(
         "decode_limit",
         {
