@@ -15,7 +15,6 @@ bench/results/decode_limit.json and decode_limit.png.
 from __future__ import annotations
 
 import asyncio
-import functools
 import tempfile
 import time
 from pathlib import Path
@@ -69,10 +68,9 @@ async def stream_speed(system: AgentSystem, name: str, prompt: list[int], new_to
     }
 
 
-def mlx_lm_speed(model_dir: Path, prompt: list[int], new_tokens: int) -> float:
+def mlx_lm_speed(model: Any, tokenizer: Any, prompt: list[int], new_tokens: int) -> float:
     """The peer: mlx-lm's own `stream_generate` on the same model and prompt, measured the same way
     (on this thread, so without the engine thread's CPU kernels)."""
-    model, tokenizer = _load_plain(model_dir)
     times = [time.perf_counter() for _ in stream_generate(model, tokenizer, prompt, max_tokens=new_tokens)]
     return steady_rate(times)
 
@@ -81,12 +79,6 @@ def steady_rate(times: list[float]) -> float:
     """Tokens per second from each token's arrival time, past the first eighth (the warm-up)."""
     steady = times[len(times) // 8 :]
     return round((len(steady) - 1) / (steady[-1] - steady[0]), 2)
-
-
-@functools.cache
-def _load_plain(model_dir: Path) -> tuple[Any, Any]:
-    model, tokenizer = load(str(model_dir))[:2]
-    return model, tokenizer
 
 
 async def decode_speed(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
@@ -99,22 +91,24 @@ async def decode_speed(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
         kv_per_token = loaded.spec.num_layers * loaded.spec.bytes_per_token_per_layer
         # Raw text, no chat template: the model goes on counting without ending its turn.
         count = ", ".join(str(i) for i in range(1, PROMPT_TOKENS // 2)) + ","
-        main = await stream_speed(system, "decoder", list(loaded.tokenizer.encode(count)), NEW_TOKENS)
+        prompts = [list(loaded.tokenizer.encode(count))]
+        main = await stream_speed(system, "decoder", prompts[0], NEW_TOKENS)
         # ~5 tokens a number: a count to a quarter of the longest prompt holds it, within the context
         long_count = list(
             loaded.tokenizer.encode(", ".join(str(i) for i in range(1, max(CONTEXT_TOKENS) // 4)))
         )
         assert len(long_count) >= max(CONTEXT_TOKENS), f"the count is {len(long_count)} tokens"
+        prompts += [long_count[:n] for n in CONTEXT_TOKENS]
         by_context = [
-            await stream_speed(system, f"decoder-{n}", long_count[:n], CONTEXT_NEW_TOKENS)
-            for n in CONTEXT_TOKENS
+            await stream_speed(system, f"decoder-{len(prompt)}", prompt, CONTEXT_NEW_TOKENS)
+            for prompt in prompts[1:]
         ]
     finally:
         await system.stop(flush=False)
-    prompts = [list(loaded.tokenizer.encode(count)), *(long_count[:n] for n in CONTEXT_TOKENS)]
+    model, tokenizer = load(str(model_dir))[:2]
     for row, prompt in zip([main, *by_context], prompts, strict=True):
         row["bytes_per_step"] = round(weight_bytes + row.pop("mean_context_tokens") * kv_per_token)
-        row["mlx_lm_decode_tokens_per_s"] = mlx_lm_speed(model_dir, prompt, row["generated_tokens"])
+        row["mlx_lm_decode_tokens_per_s"] = mlx_lm_speed(model, tokenizer, prompt, row["generated_tokens"])
     return {
         **main,
         "weight_bytes": weight_bytes,
@@ -159,12 +153,10 @@ def main() -> None:
         decode = asyncio.run(decode_speed(model_dir, Path(cache)))
     bandwidths.append(read_bandwidth())
     bandwidth = max(bandwidths)
-    limit = bandwidth / decode["bytes_per_step"]
-    for row in decode["by_context"]:
-        row["bandwidth_limit_tokens_per_s"] = round(bandwidth / row["bytes_per_step"], 2)
-        row["percent_of_limit"] = round(
-            100 * row["decode_tokens_per_s"] / row["bandwidth_limit_tokens_per_s"], 1
-        )
+    for row in [decode, *decode["by_context"]]:
+        limit = bandwidth / row["bytes_per_step"]
+        row["bandwidth_limit_tokens_per_s"] = round(limit, 2)
+        row["percent_of_limit"] = round(100 * row["decode_tokens_per_s"] / limit, 1)
     plot([decode, *decode["by_context"]], bandwidth, RESULTS / "decode_limit.png")
     write_results(
         "decode_limit",
@@ -172,8 +164,6 @@ def main() -> None:
             "read_bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
             "read_bandwidth_before_after_gb_per_s": [round(b / 1e9, 2) for b in bandwidths],
             **decode,
-            "bandwidth_limit_tokens_per_s": round(limit, 2),
-            "percent_of_limit": round(100 * decode["decode_tokens_per_s"] / limit, 1),
         },
     )
 
