@@ -16,7 +16,7 @@ from semantic.actors.turns import (
     prepare_stateless,
 )
 from semantic.engine.messages import GenerationRequest
-from semantic.launch import give_memory_back
+from semantic.heap import give_memory_back
 from semantic.storage.conversation_file import ConversationRecord
 
 LARGE_PROMPT_TOKENS = 100_000  # past this, the tokenizer's memory is handed back after each prompt

@@ -8,10 +8,11 @@ import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
+from loguru import logger
 
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.config import Settings
-from semantic.launch import give_memory_back_when_idle
+from semantic.heap import give_memory_back_when_idle, keep_heap_ready
 from semantic.protocols import admin, agents, anthropic, completions, model_cards, openai, openapi
 from semantic.protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY, SYSTEM_KEY
 from semantic.protocols.errors import errors_in_protocol_shape
@@ -51,6 +52,14 @@ async def health_ready(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "model": system.models.entry.name, "loaded": True, **extra})
 
 
+def heap_reserve_bytes(settings: Settings) -> int:
+    """The heap faulted in ahead of the turns (semantic/heap.py): on the CPU only, where the arrays
+    live on this heap."""
+    import mlx.core as mx
+
+    return settings.cache.heap_reserve_mb << 20 if mx.default_device() == mx.cpu else 0
+
+
 def create_app(config: SystemConfig, settings: Settings | None = None) -> web.Application:
     settings = settings or Settings()
     app = web.Application(
@@ -68,12 +77,15 @@ def create_app(config: SystemConfig, settings: Settings | None = None) -> web.Ap
         started = time.monotonic()
         system = app[SYSTEM_KEY]
         await system.start()
+        reserve_bytes = heap_reserve_bytes(settings)
+        if await asyncio.get_running_loop().run_in_executor(None, keep_heap_ready, reserve_bytes):
+            logger.debug("{} MB of heap faulted in, ready for the first turns", reserve_bytes >> 20)
         app[STARTED_KEY]["startup_s"] = time.monotonic() - started
         metrics = app[METRICS_KEY]
         metrics.attach(system, lambda: app[GATE_KEY].num_in_flight)
         housekeeping = [
             asyncio.create_task(metrics.watch_loop_lag()),
-            asyncio.create_task(give_memory_back_when_idle(app[GATE_KEY].quiet_for_s)),
+            asyncio.create_task(give_memory_back_when_idle(app[GATE_KEY].quiet_for_s, reserve_bytes)),
         ]
         yield
         for task in housekeeping:

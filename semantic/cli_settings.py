@@ -34,6 +34,11 @@ MODEL_FLAGS = [
         "cache.idle_kv_bits",
         "keep caches no sequence is decoding from quantized to 4 or 8 bits (more agents per GB)",
     ),
+    (
+        "--heap-reserve-mb",
+        "cache.heap_reserve_mb",
+        "heap faulted in at start-up and kept through idle trims, on Linux CPU, in MiB (0: none)",
+    ),
     ("--max-batch-size", "engine.max_batch_size", "sequences decoding together"),
     ("--tick-ms", "engine.tick_ms", "shortest engine tick under load, in ms (0: back to back)"),
     (

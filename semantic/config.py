@@ -58,6 +58,7 @@ class CacheSection(_Section):
     block_size: Annotated[int, Meta(ge=16, le=4096)] = 256
     kv_bits: Literal[4, 8] | None = None
     idle_kv_bits: Literal[4, 8] | None = None
+    heap_reserve_mb: Annotated[int, Meta(ge=0, le=1 << 20)] = 512  # heap kept faulted in (Linux CPU)
 
 
 class EngineSection(_Section):

@@ -21,19 +21,13 @@ idle either way).
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
 import os
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-from loguru import logger
-
 _DONE_MARKER = "SEMANTIC_FAST_BLAS"
-HEAP_TRIM_IDLE_S = 60.0
 # One arena: glibc gives other threads arenas of 64 MB heaps that map and unmap what outgrows them,
 # so on the engine thread (not the main one) those arrays paid the page faults all the same (an
 # elementwise op over 13.6M floats: 55 ms there against 7 ms on the main thread).
@@ -128,50 +122,6 @@ def main() -> None:
         raise SystemExit("usage: python -m semantic.launch COMMAND [ARGS...]")
     env = fast_blas_env() or dict(os.environ)
     os.execvpe(sys.argv[1], sys.argv[1:], env)
-
-
-def give_memory_back() -> bool:
-    """Return the heap's free pages to the kernel (glibc `malloc_trim`), after a huge request.
-
-    The launcher's malloc setting keeps the heap at its peak size, which is what decoding wants;
-    a 30 MB prompt tokenized and refused would otherwise leave gigabytes behind for good.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    return bool(libc.malloc_trim(0))
-
-
-async def give_memory_back_when_idle(
-    quiet_for_s: Callable[[], float],
-    idle_s: float = HEAP_TRIM_IDLE_S,
-    poll_s: float = 10.0,
-    clock: Callable[[], float] = time.monotonic,
-) -> None:
-    """Once `quiet_for_s()` (seconds with no request in flight) reaches `idle_s`, trim the heap in a
-    worker thread, once for each quiet spell; for as long as it runs.
-
-    The launcher keeps the heap at its peak while work runs (decoding wants it), but a daemon is
-    idle most of the time and would otherwise hold its busiest moment's memory for good (a 10-minute
-    soak: RSS up 190 MiB with MLX's own memory flat, and a trim gave 240 MiB back in ~24 ms).
-    Under load it does nothing: the next steps would only fault the same pages in again.
-    """
-    loop = asyncio.get_running_loop()
-    trimmed_at = -float("inf")
-    while True:
-        await asyncio.sleep(poll_s)
-        quiet_s = quiet_for_s()
-        if quiet_s < idle_s or clock() - quiet_s <= trimmed_at:
-            continue  # busy, or trimmed already in this quiet spell
-        trimmed_at = clock()
-        started = time.perf_counter()
-        if await loop.run_in_executor(None, give_memory_back):
-            logger.debug("gave free heap pages back in {:.1f} ms", (time.perf_counter() - started) * 1e3)
 
 
 if __name__ == "__main__":
