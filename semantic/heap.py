@@ -5,7 +5,7 @@ from handing freed memory back to the kernel, so arrays reuse pages that are alr
 never touched costs a page fault per 4 KB on first use, 0.7-3.9 s a GB on this project's 2-core VM:
 a returning agent's first turn after a restart reads its cache file, fills its blocks and builds its
 history in one array, ~350 MB for a 2.4K-token SmolLM2 history (3x its KV bytes), and took
-0.63-0.74 s to its first token, against 0.35-0.45 s with 512 MB faulted in at start-up. So the
+0.51-0.74 s to its first token, against 0.35-0.45 s with 512 MB faulted in at start-up. So the
 server faults a reserve in before it listens (`cache.heap_reserve_mb`); once idle, it keeps the heap
 as it is while no more than the reserve is free, and otherwise gives the free pages back and faults
 the reserve in again: an idle daemon holds the reserve, not its busiest moment.
