@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import os
 import sys
 import time
@@ -24,19 +25,6 @@ from loguru import logger
 
 HEAP_TRIM_IDLE_S = 60.0
 RESERVE_PIECE_BYTES = 4 << 20
-
-
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    return libc
 
 
 MALLINFO2_FIELDS = (
@@ -57,26 +45,37 @@ class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2_FIELDS]
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc with the signatures used here declared once; None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    if hasattr(libc, "mallinfo2"):  # glibc 2.33 and later
+        libc.mallinfo2.restype = _MallInfo2
+    return libc
+
+
 def free_heap_bytes() -> int | None:
     """Bytes free in the heap (glibc's `mallinfo2().fordblks`); None where it cannot be read."""
     libc = _libc()
     if libc is None or not hasattr(libc, "mallinfo2"):
         return None
-    libc.mallinfo2.restype = _MallInfo2
     return int(libc.mallinfo2().fordblks)
-
-
-def heap_keeps_freed_memory() -> bool:
-    """Whether freed memory stays in this process's heap: glibc under the launcher's settings
-    (no `mmap` for large blocks), which a plain `python` does not have."""
-    return _libc() is not None and os.environ.get("MALLOC_MMAP_MAX_") == "0"
 
 
 def keep_heap_ready(num_bytes: int) -> bool:
     """Fault `num_bytes` of heap in and free them again: they stay mapped, and the next arrays that
     fit take them without a page fault. False where the heap would not keep them."""
     libc = _libc()
-    if num_bytes <= 0 or libc is None or not heap_keeps_freed_memory():
+    # freed memory stays in the heap only under the launcher's settings (no `mmap` for large blocks)
+    if num_bytes <= 0 or libc is None or os.environ.get("MALLOC_MMAP_MAX_") != "0":
         return False
     pieces = []
     for _ in range(-(-num_bytes // RESERVE_PIECE_BYTES)):
@@ -100,6 +99,17 @@ def give_memory_back() -> bool:
     return libc is not None and bool(libc.malloc_trim(0))
 
 
+def trim_to_reserve(reserve_bytes: int) -> int | None:
+    """Give the heap's free pages back and fault `reserve_bytes` in again, unless no more than that
+    is free; the bytes that were free where it trimmed, else None."""
+    free = free_heap_bytes()
+    if free is not None and free <= reserve_bytes:
+        return None  # no more than the reserve: keep it
+    give_memory_back()
+    keep_heap_ready(reserve_bytes)
+    return free or 0
+
+
 async def give_memory_back_when_idle(
     quiet_for_s: Callable[[], float],
     reserve_bytes: int = 0,
@@ -107,9 +117,9 @@ async def give_memory_back_when_idle(
     poll_s: float = 10.0,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
-    """Once `quiet_for_s()` (seconds with no request in flight) reaches `idle_s`, trim the heap and
-    fault `reserve_bytes` in again, in a worker thread, once for each quiet spell; for as long as it
-    runs.
+    """Once `quiet_for_s()` (seconds with no request in flight) reaches `idle_s`, trim the heap to
+    `reserve_bytes` (`trim_to_reserve`) in a worker thread, once for each quiet spell; for as long as
+    it runs.
 
     The launcher keeps the heap at its peak while work runs (decoding wants it), but a daemon is
     idle most of the time and would otherwise hold its busiest moment's memory for good (a 10-minute
@@ -124,14 +134,8 @@ async def give_memory_back_when_idle(
         if quiet_s < idle_s or clock() - quiet_s <= trimmed_at:
             continue  # busy, or trimmed already in this quiet spell
         trimmed_at = clock()
-        free = free_heap_bytes()
-        if free is not None and free <= reserve_bytes:
-            continue  # no more than the reserve: keep it
         started = time.perf_counter()
-        if await loop.run_in_executor(None, give_memory_back):
-            logger.debug(
-                "gave free heap pages back in {:.1f} ms ({} MB were free)",
-                (time.perf_counter() - started) * 1e3,
-                None if free is None else free >> 20,
-            )
-        await loop.run_in_executor(None, keep_heap_ready, reserve_bytes)
+        free = await loop.run_in_executor(None, trim_to_reserve, reserve_bytes)
+        if free is not None:
+            logger.debug("trimmed the heap to its reserve in {:.1f} ms ({} MB were free)",
+                         (time.perf_counter() - started) * 1e3, free >> 20)  # fmt: skip
