@@ -5,6 +5,11 @@ model, its chat format and its persistence actor) once the named model is loaded
 or reloading it after an idle unload. A transition drains the engine (bounded), flushes every hot
 cache through the old model's persistence actor, unloads, and loads the new model (or the old one
 back if that fails). Requests arriving meanwhile wait on the transition, up to `model_wait_s`.
+
+A flush writes only the caches whose files do not hold them already (the file's tokens digest
+against the cache's), one agent at a time. After `checkpoint_idle_s` without requests the host
+flushes on its own: a crash then loses no cache that had been idle that long, and a stop or swap
+writes only what changed since.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from semantic.actors.model_session import (
 )
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.chat_format import ChatFormat
-from semantic.engine.commands import Drain, LoadModel, SnapshotCaches, UnloadModel
+from semantic.engine.commands import Drain, ListCaches, LoadModel, SnapshotCaches, UnloadModel
 from semantic.engine.engine import Engine, EngineConfig
 from semantic.engine.grammar import GrammarCompiler
 from semantic.engine.registry import ModelEntry, ModelRegistry
@@ -52,6 +57,7 @@ class ModelHost:
         swap_drain_timeout_s: float = 30.0,
         model_wait_s: float = 300.0,
         idle_unload_s: float | None = None,
+        checkpoint_idle_s: float | None = None,
         num_tokenizer_workers: int = 2,
     ) -> None:
         self.registry = registry
@@ -62,6 +68,7 @@ class ModelHost:
         self.swap_drain_timeout_s = swap_drain_timeout_s
         self.model_wait_s = model_wait_s
         self.idle_unload_s = idle_unload_s
+        self.checkpoint_idle_s = checkpoint_idle_s
         self.session: ModelSession | None = None
         self.entry: ModelEntry | None = None
         self._last_entry = registry.initial
@@ -72,6 +79,8 @@ class ModelHost:
         self.evicted_writes = EvictedWrites(engine_config.cache_budget_mb * 2**20)
         self._last_used = time.monotonic()
         self._idle_watch: asyncio.Task[None] | None = None
+        self._checkpoint_watch: asyncio.Task[None] | None = None
+        self.last_checkpoint_at = -float("inf")  # monotonic; when the last idle checkpoint wrote a cache
         self.active_memory_before_load = 0
         # Turns between `ready` and their submit: a transition waits for them before it drains;
         # turns between their submit and their commit: it waits for them before the files close.
@@ -94,10 +103,13 @@ class ModelHost:
         await self._attach(self.registry.initial)
         if self.idle_unload_s:
             self._idle_watch = asyncio.create_task(self._unload_when_idle(self.idle_unload_s))
+        if self.checkpoint_idle_s and self.persist_caches:
+            self._checkpoint_watch = asyncio.create_task(self._checkpoint_when_idle(self.checkpoint_idle_s))
 
     async def stop(self, flush: bool = True) -> None:
-        if self._idle_watch is not None:
-            self._idle_watch.cancel()
+        for watch in (self._idle_watch, self._checkpoint_watch):
+            if watch is not None:
+                watch.cancel()
         while self._transition is not None:
             await asyncio.wait([self._transition])
         await self._settle_writes()
@@ -158,11 +170,19 @@ class ModelHost:
         return await self._begin(None)
 
     async def flush(self) -> list[str]:
-        """Write every hot named agent's cache to disk (they stay in memory)."""
+        """Write every hot named agent's cache that its file does not hold already (they stay in
+        memory); the agents written. One agent at a time: one cache at once is copied out of the pool."""
         persistence = self.persistence
         if persistence is None or self.engine.loaded is None:
             return []
-        return list(await persistence.save(await self.engine.ask(SnapshotCaches())))
+        on_disk = await persistence.on_disk()
+        unchanged = {str(a): e.tokens_digest for a, e in on_disk.items() if e.has_cache and e.tokens_digest}
+        written: list[str] = []
+        for cached in await self.engine.ask(ListCaches()):
+            caches = await self.engine.ask(SnapshotCaches(str(cached.agent_id), unchanged))
+            if caches:
+                written += await persistence.save(caches)
+        return written
 
     def _begin(self, target: ModelEntry | None) -> asyncio.Task[SwapReport]:
         assert self._transition is None, "a transition is already under way: model host bug"
@@ -266,16 +286,45 @@ class ModelHost:
             active_memory_after_unload=mx.get_active_memory(),
         )
 
+    def _quiet_for_s(self) -> float:
+        """Seconds since a request last ran (0 while one runs or waits, or the model switches)."""
+        stats = self.engine.stats
+        if stats.num_running or stats.num_waiting or self._transition is not None:
+            self._last_used = time.monotonic()
+        return time.monotonic() - self._last_used
+
     async def _unload_when_idle(self, idle_s: float) -> None:
         while True:
             await asyncio.sleep(min(idle_s / 4, 5.0))
-            stats = self.engine.stats
-            if stats.num_running or stats.num_waiting or self._transition is not None:
-                self._last_used = time.monotonic()
-                continue
-            if self.session is not None and time.monotonic() - self._last_used >= idle_s:
+            if self.session is not None and self._quiet_for_s() >= idle_s:
                 logger.info("no requests for {:.0f} s: unloading {}", idle_s, self.session.loaded.name)
                 await self._begin(None)
+
+    async def _checkpoint_when_idle(self, quiet_s: float) -> None:
+        """Flush once the server has had no requests for `quiet_s`, once per quiet spell. Holding a
+        lease, so that a swap or unload waits for it rather than closing the files under it."""
+        checkpointed_at = time.monotonic()
+        while True:
+            await asyncio.sleep(min(quiet_s / 4, 5.0))
+            if self._quiet_for_s() < quiet_s or self.session is None or self._last_used <= checkpointed_at:
+                continue  # busy, unloaded, or checkpointed in this quiet spell already
+            checkpointed_at = time.monotonic()
+            started = time.perf_counter()
+            try:
+                with self._leases.hold():
+                    await self._settle_writes()
+                    written = await self.flush()
+            except Exception as error:  # a failed write is logged by persistence; keep watching
+                logger.warning("checkpoint failed: {}", error)
+                continue
+            if written:
+                self.last_checkpoint_at = time.monotonic()
+                logger.info(
+                    "checkpoint after {:.0f} s without requests: wrote {} agent caches in {:.2f} s",
+                    quiet_s,
+                    len(written),
+                    time.perf_counter() - started,
+                )
 
     def _write_evicted(self, caches: list[SerializedCache]) -> None:
         """Event loop: the engine evicted these caches to make room; write them to disk."""

@@ -40,6 +40,7 @@ class SystemConfig:
     swap_drain_timeout_s: float = 30.0  # running requests get this long to finish before a swap
     model_wait_s: float = 300.0  # requests wait this long for a swap or reload before failing
     idle_unload_s: float | None = None  # unload the model after this long without requests
+    checkpoint_idle_s: float | None = 120.0  # write changed caches after this long without requests
     actor_idle_s: float = 60.0  # an agent actor with an empty mailbox stops after this long
     max_prompt_tokens: int | None = None  # longer prompts are refused (the context also applies)
     disk_budget_mb: int | None = None  # agents' cache files per model; the least recently used go first
@@ -69,6 +70,7 @@ class AgentSystem:
             swap_drain_timeout_s=config.swap_drain_timeout_s,
             model_wait_s=config.model_wait_s,
             idle_unload_s=config.idle_unload_s,
+            checkpoint_idle_s=config.checkpoint_idle_s,
         )
         self._agents: dict[AgentId, AgentActor] = {}
         self._anonymous: set[AgentActor] = set()

@@ -7,6 +7,7 @@ memory that a worker thread may read and write.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,11 @@ class SerializedCache:
     tensors: dict[str, np.ndarray]
     sliding_meta: list[list[int]]
     num_tokens: int
+
+
+def tokens_digest(tokens: list[int] | np.ndarray) -> str:
+    """What identifies a cache's content: the token ids it holds (the same ids, the same cache)."""
+    return hashlib.sha256(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()
 
 
 def _to_numpy(array: mx.array) -> np.ndarray:

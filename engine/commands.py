@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -86,7 +87,12 @@ class TakeCache(EngineAsk[SerializedCache | None]):
 
 @dataclass(frozen=True, slots=True)
 class SnapshotCaches(EngineAsk[list[SerializedCache]]):
-    """Serialize every named agent's cache in memory; they stay in memory."""
+    """Serialize the named agents' caches in memory (every one, or just `agent_id`'s), but not those
+    whose tokens digest is the one `unchanged` gives for them (their files hold them already); they
+    stay in memory."""
+
+    agent_id: str | None = None
+    unchanged: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import mlx.core as mx
 from loguru import logger
 
 from semantic.engine import cpu_kernels
-from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.cache_tensors import SerializedCache, tokens_digest
 from semantic.engine.commands import (
     DropCache,
     EngineAsk,
@@ -49,7 +49,6 @@ from semantic.engine.tick_plan import (
     TakeOp,
     UnloadOp,
     request_of,
-    tokens_digest,
 )
 
 
@@ -132,8 +131,8 @@ class FollowerCore(EngineCore):
                     taken = self._quietly(TakeCache(agent_id))
                     if taken is not None:
                         self._save([taken])
-                case SnapshotOp():
-                    self._save(self._quietly(SnapshotCaches()) or [])
+                case SnapshotOp(agent_id=agent_id, unchanged=unchanged):
+                    self._save(self._quietly(SnapshotCaches(agent_id, self._shards_on_disk(unchanged))) or [])
                 case DropOp(agent_id=agent_id):
                     self._quietly(DropCache(agent_id))
                     if self.loaded is not None:
@@ -186,6 +185,12 @@ class FollowerCore(EngineCore):
             )
             return None
         return cache
+
+    def _shards_on_disk(self, unchanged: dict[str, str]) -> dict[str, str]:
+        """Of the agents whose file rank 0 found current, those this rank has a shard file for (it
+        wrote and read its shards when rank 0 did; a restore checks the tokens of one anyway)."""
+        loaded, files = self.loaded, self._follower.files
+        return {a: d for a, d in unchanged.items() if loaded is not None and files.holds(a, loaded)}
 
     def _save(self, caches: list[SerializedCache]) -> None:
         if caches and self.loaded is not None:

@@ -7,6 +7,7 @@ answers are computed here, on the engine thread.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -19,7 +20,13 @@ from semantic.engine.agent_cache import AgentCacheStore
 from semantic.engine.batch import Batch
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_matching import is_anonymous
-from semantic.engine.cache_tensors import CacheSnapshot, SerializedCache, from_tensors, to_tensors
+from semantic.engine.cache_tensors import (
+    CacheSnapshot,
+    SerializedCache,
+    from_tensors,
+    to_tensors,
+    tokens_digest,
+)
 from semantic.engine.commands import CachedAgent, PoolReport
 from semantic.engine.config import EngineConfig, EngineStats
 from semantic.engine.distributed import Collectives, GroupLayout
@@ -100,8 +107,13 @@ class Runtime:
         self.store.drop(agent_id)
         return serialized
 
-    def snapshot_named(self) -> list[SerializedCache]:
-        return [to_tensors(self.store.snapshot(a)) for a in list(self.store.agents) if not is_anonymous(a)]
+    def snapshot_named(self, agent_id: str | None, unchanged: Mapping[str, str]) -> list[SerializedCache]:
+        """The named agents' caches (or just `agent_id`'s), less those whose tokens digest `unchanged`
+        gives: their files hold them already."""
+        agents = self.store.agents
+        named = [a for a in ([agent_id] if agent_id is not None else list(agents)) if a in agents]
+        on_disk = [a for a in named if a in unchanged and unchanged[a] == tokens_digest(agents[a].token_ids)]
+        return [to_tensors(self.store.snapshot(a)) for a in named if not is_anonymous(a) and a not in on_disk]
 
     def list_caches(self, agent_id: str | None) -> list[CachedAgent]:
         agents = self.store.agents

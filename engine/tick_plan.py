@@ -12,14 +12,13 @@ A tick with no operations costs one small collective (the header); its plan is n
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 from dataclasses import replace
 from typing import Any
 
 import msgspec
-import numpy as np
 
+from semantic.engine.cache_tensors import tokens_digest
 from semantic.engine.commands import Cancel as CancelMessage
 from semantic.engine.commands import (
     DropCache,
@@ -95,7 +94,8 @@ class TakeOp(msgspec.Struct, tag=True):
 
 
 class SnapshotOp(msgspec.Struct, tag=True):
-    pass
+    agent_id: str | None = None
+    unchanged: dict[str, str] = {}
 
 
 class DropOp(msgspec.Struct, tag=True):
@@ -152,10 +152,6 @@ def is_empty(plan: TickPlan) -> bool:
     return not plan.ops and plan.fail_reason is None and plan.config is None
 
 
-def tokens_digest(tokens: list[int] | np.ndarray) -> str:
-    return hashlib.sha256(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()
-
-
 def op_for(message: Message) -> Op | None:
     """The operation the other ranks apply for one of rank 0's messages (None: rank 0's alone).
 
@@ -179,8 +175,8 @@ def op_for(message: Message) -> Op | None:
                     return RestoreOp(str(cache.agent_id), fingerprint, _str(salt), cache.num_tokens, digest)
                 case TakeCache(agent_id=agent_id):
                     return TakeOp(str(agent_id))
-                case SnapshotCaches():
-                    return SnapshotOp()
+                case SnapshotCaches(agent_id=agent_id, unchanged=unchanged):
+                    return SnapshotOp(_str(agent_id), {str(a): str(d) for a, d in unchanged.items()})
                 case DropCache(agent_id=agent_id):
                     return DropOp(str(agent_id))
                 case ReferenceGenerate(prompt_tokens=prompt_tokens, max_tokens=max_tokens):

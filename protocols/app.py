@@ -83,9 +83,14 @@ def create_app(config: SystemConfig, settings: Settings | None = None) -> web.Ap
         app[STARTED_KEY]["startup_s"] = time.monotonic() - started
         metrics = app[METRICS_KEY]
         metrics.attach(system, lambda: app[GATE_KEY].num_in_flight)
+
+        def quiet_for_s() -> float:
+            """No request in flight, and no idle checkpoint's copies of caches freed, for this long."""
+            return min(app[GATE_KEY].quiet_for_s(), time.monotonic() - system.models.last_checkpoint_at)
+
         housekeeping = [
             asyncio.create_task(metrics.watch_loop_lag()),
-            asyncio.create_task(give_memory_back_when_idle(app[GATE_KEY].quiet_for_s, reserve_bytes)),
+            asyncio.create_task(give_memory_back_when_idle(quiet_for_s, reserve_bytes)),
         ]
         yield
         for task in housekeeping:

@@ -60,6 +60,7 @@ def _system_config(settings: Settings) -> SystemConfig:
         swap_drain_timeout_s=settings.model.swap_drain_timeout_s,
         max_prompt_tokens=settings.limits.max_prompt_tokens,
         disk_budget_mb=settings.cache.disk_budget_mb or None,
+        checkpoint_idle_s=settings.cache.checkpoint_idle_s or None,
     )
 
 

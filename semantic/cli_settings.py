@@ -35,6 +35,11 @@ MODEL_FLAGS = [
         "keep caches no sequence is decoding from quantized to 4 or 8 bits (more agents per GB)",
     ),
     (
+        "--checkpoint-idle-s",
+        "cache.checkpoint_idle_s",
+        "after this many seconds without requests, write the caches that changed to disk (0: off)",
+    ),
+    (
         "--heap-reserve-mb",
         "cache.heap_reserve_mb",
         "heap faulted in at start-up and kept through idle trims, on Linux CPU, in MiB (0: none)",

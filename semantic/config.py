@@ -59,6 +59,8 @@ class CacheSection(_Section):
     kv_bits: Literal[4, 8] | None = None
     idle_kv_bits: Literal[4, 8] | None = None
     heap_reserve_mb: Annotated[int, Meta(ge=0, le=1 << 20)] = 512  # heap kept faulted in (Linux CPU)
+    # write the caches that changed since their files after this long without requests; 0: off
+    checkpoint_idle_s: Annotated[float, Meta(ge=0, le=86400)] = 120.0
 
 
 class EngineSection(_Section):

@@ -14,7 +14,7 @@ from loguru import logger
 
 from semantic.actors.agent_id import AgentId, InvalidAgentIdError
 from semantic.engine.cache_tensors import SerializedCache
-from semantic.storage.cache_file import CacheIdentity, read_cache_file, read_num_tokens, write_cache_file
+from semantic.storage.cache_file import CacheIdentity, read_cache_file, read_stated_tokens, write_cache_file
 from semantic.storage.disk_budget import CacheFileUse
 
 SUFFIX = ".safetensors"
@@ -29,6 +29,13 @@ class DiskEntry:
     num_cached_tokens: int = 0  # 0 when there is no cache file
     has_cache: bool = False
     has_conversation: bool = False
+    tokens_digest: str = ""  # of the token ids its cache file holds ("" when unknown or none)
+
+    def holds_cache(self, num_tokens: int, digest: str) -> None:
+        self.has_cache, self.num_cached_tokens, self.tokens_digest = True, num_tokens, digest
+
+    def lose_cache(self) -> None:
+        self.has_cache, self.num_cached_tokens, self.tokens_digest = False, 0, ""
 
 
 def scan_folder(agents_dir: Path) -> tuple[dict[AgentId, DiskEntry], dict[AgentId, CacheFileUse]]:
@@ -53,7 +60,7 @@ def scan_folder(agents_dir: Path) -> tuple[dict[AgentId, DiskEntry], dict[AgentI
                 break
             entry = index.setdefault(agent_id, DiskEntry())
             if suffix == SUFFIX:
-                entry.has_cache, entry.num_cached_tokens = True, read_num_tokens(path)
+                entry.holds_cache(*read_stated_tokens(path))
                 stat = path.stat()
                 uses[agent_id] = CacheFileUse(stat.st_size, stat.st_mtime)
             else:

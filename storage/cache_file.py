@@ -20,7 +20,7 @@ import xxhash
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.cache_tensors import SerializedCache, tokens_digest
 from semantic.engine.loading import LoadedModel
 
 FORMAT_VERSION = "2"
@@ -98,6 +98,7 @@ def write_cache_file(path: Path, cache: SerializedCache, identity: CacheIdentity
         "cache_spec": json.dumps(identity.spec, sort_keys=True),
         "sliding_meta": json.dumps(cache.sliding_meta),
         "num_tokens": str(cache.num_tokens),
+        "tokens_digest": tokens_digest(tensors["tokens"]),
         "layout": identity.layout,
         "checksum": _checksum(tensors),
     }
@@ -105,17 +106,21 @@ def write_cache_file(path: Path, cache: SerializedCache, identity: CacheIdentity
     return path.stat().st_size
 
 
-def read_num_tokens(path: Path) -> int:
-    """The token count a cache file's header states (0 if unreadable): for listings, no tensors read."""
+def read_stated_tokens(path: Path) -> tuple[int, str]:
+    """The token count and tokens digest a cache file's header states ((0, "") if unreadable; "" for
+    a file from before digests): for listings and for skipping rewrites, no tensors read. Unverified
+    until the file is read: a wrong digest can only keep a file another cache's turn would replace,
+    and a restored cache is reused only as far as its token ids match the prompt's."""
     try:
         with open(path, "rb") as f:
             (header_len,) = struct.unpack("<Q", f.read(8))
             if header_len > 1 << 24:
-                return 0
-            header = json.loads(f.read(header_len))
-        return int(header.get("__metadata__", {}).get("num_tokens", 0))
+                return 0, ""
+            metadata = json.loads(f.read(header_len)).get("__metadata__", {})
+        digest = metadata.get("tokens_digest", "")
+        return int(metadata.get("num_tokens", 0)), digest if isinstance(digest, str) else ""
     except (OSError, ValueError, struct.error, AttributeError):
-        return 0
+        return 0, ""
 
 
 def read_cache_file(path: Path, identity: CacheIdentity, agent_id: str | None = None) -> SerializedCache:

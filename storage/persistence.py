@@ -19,7 +19,7 @@ from typing import Any
 from loguru import logger
 
 from semantic.actors.agent_id import AgentId, InvalidAgentIdError
-from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.cache_tensors import SerializedCache, tokens_digest
 from semantic.storage.agents_folder import (
     CONVERSATION_SUFFIX,
     SUFFIX,
@@ -232,7 +232,7 @@ class PersistenceActor:
             return None
         seconds = time.perf_counter() - start
         entry = self._index.setdefault(agent_id, DiskEntry())
-        entry.has_cache, entry.num_cached_tokens = True, cache.num_tokens
+        entry.holds_cache(cache.num_tokens, tokens_digest(cache.tensors["tokens"]))
         self.num_writes += 1
         self.last_write_s = seconds
         self.write_seconds_total += seconds
@@ -256,7 +256,7 @@ class PersistenceActor:
             self.num_disk_evictions += 1
             entry = self._index.get(agent_id)
             if entry is not None:
-                entry.has_cache, entry.num_cached_tokens = False, 0
+                entry.lose_cache()
                 if not entry.has_conversation:
                     del self._index[agent_id]
 
@@ -271,10 +271,11 @@ class PersistenceActor:
             await self._quarantine(agent_id, path, str(error))
             return None
         except FileNotFoundError:
-            entry.has_cache, entry.num_cached_tokens = False, 0
+            entry.lose_cache()
             self.disk_budget.forget(agent_id)
             return None
         self.num_loads += 1
+        entry.holds_cache(cache.num_tokens, tokens_digest(cache.tensors["tokens"]))  # checked now
         self.disk_budget.touch(agent_id, time.time())
         return cache
 
@@ -296,7 +297,7 @@ class PersistenceActor:
             if path.name.endswith(CONVERSATION_SUFFIX):
                 entry.has_conversation = False
             else:
-                entry.has_cache, entry.num_cached_tokens = False, 0
+                entry.lose_cache()
                 self.disk_budget.forget(agent_id)
             if not (entry.has_cache or entry.has_conversation):
                 del self._index[agent_id]

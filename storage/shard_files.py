@@ -46,6 +46,9 @@ class ShardFiles:
             path = self.path_for(cache.agent_id, loaded)
             self._worker.submit(write_cache_file, path, cache, identity).add_done_callback(_log_failure)
 
+    def holds(self, agent_id: str, loaded: LoadedModel) -> bool:
+        return self.path_for(agent_id, loaded).exists()
+
     def load(self, agent_id: str, loaded: LoadedModel) -> SerializedCache | None:
         """The agent's shard, or None if there is none or it fails a check (then it is quarantined)."""
         return self._worker.submit(

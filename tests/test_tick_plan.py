@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from semantic.actors.agent_id import AgentId
 from semantic.engine import tick_plan
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.commands import (
@@ -23,6 +24,7 @@ from semantic.engine.commands import (
     InspectPool,
     ListCaches,
     RestoreCache,
+    SnapshotCaches,
     Submit,
 )
 from semantic.engine.config import EngineConfig
@@ -124,6 +126,11 @@ def test_only_what_changes_the_engine_is_shared() -> None:
     cache = SerializedCache("ada", {"tokens": tokens}, [], 3)
     op = tick_plan.op_for(Envelope(RestoreCache(cache, "fp"), reply, loop))
     assert op == tick_plan.RestoreOp("ada", "fp", None, 3, tick_plan.tokens_digest([5, 6, 7]))
+    # A flush's snapshot of one agent, with the files rank 0 found current: ids travel as plain str.
+    snapshot = SnapshotCaches(AgentId("ada"), {AgentId("bob"): "digest"})
+    op = tick_plan.op_for(Envelope(snapshot, reply, loop))
+    plan = tick_plan.decode(tick_plan.encode(tick_plan.TickPlan([op], None, config_dict(EngineConfig()))))
+    assert plan.ops == [tick_plan.SnapshotOp("ada", {"bob": "digest"})]
 
 
 @given(st.lists(st.integers(0, 2**20), max_size=64), st.lists(st.integers(0, 2**20), max_size=64))
