@@ -87,11 +87,10 @@ class TakeCache(EngineAsk[SerializedCache | None]):
 
 @dataclass(frozen=True, slots=True)
 class SnapshotCaches(EngineAsk[list[SerializedCache]]):
-    """Serialize the named agents' caches in memory (every one, or just `agent_id`'s), but not those
-    whose tokens digest is the one `unchanged` gives for them (their files hold them already); they
-    stay in memory."""
+    """Serialize a named agent's cache in memory (it stays there), unless it has none or its tokens
+    digest is the one `unchanged` gives for it (its file holds it already): [] then."""
 
-    agent_id: str | None = None
+    agent_id: str
     unchanged: Mapping[str, str] = field(default_factory=dict)
 
 

@@ -107,13 +107,15 @@ class Runtime:
         self.store.drop(agent_id)
         return serialized
 
-    def snapshot_named(self, agent_id: str | None, unchanged: Mapping[str, str]) -> list[SerializedCache]:
-        """The named agents' caches (or just `agent_id`'s), less those whose tokens digest `unchanged`
-        gives: their files hold them already."""
-        agents = self.store.agents
-        named = [a for a in ([agent_id] if agent_id is not None else list(agents)) if a in agents]
-        on_disk = [a for a in named if a in unchanged and unchanged[a] == tokens_digest(agents[a].token_ids)]
-        return [to_tensors(self.store.snapshot(a)) for a in named if not is_anonymous(a) and a not in on_disk]
+    def snapshot_named(self, agent_id: str, unchanged: Mapping[str, str]) -> list[SerializedCache]:
+        """A named agent's cache, unless it has none or `unchanged` gives its tokens digest (its file
+        holds it already)."""
+        agent = self.store.agents.get(agent_id)
+        if agent is None or is_anonymous(agent_id):
+            return []
+        if agent_id in unchanged and unchanged[agent_id] == tokens_digest(agent.token_ids):
+            return []  # its file holds it
+        return [to_tensors(self.store.snapshot(agent_id))]
 
     def list_caches(self, agent_id: str | None) -> list[CachedAgent]:
         agents = self.store.agents

@@ -94,7 +94,7 @@ class TakeOp(msgspec.Struct, tag=True):
 
 
 class SnapshotOp(msgspec.Struct, tag=True):
-    agent_id: str | None = None
+    agent_id: str
     unchanged: dict[str, str] = {}
 
 
@@ -176,7 +176,7 @@ def op_for(message: Message) -> Op | None:
                 case TakeCache(agent_id=agent_id):
                     return TakeOp(str(agent_id))
                 case SnapshotCaches(agent_id=agent_id, unchanged=unchanged):
-                    return SnapshotOp(_str(agent_id), {str(a): str(d) for a, d in unchanged.items()})
+                    return SnapshotOp(str(agent_id), {str(a): str(d) for a, d in unchanged.items()})
                 case DropCache(agent_id=agent_id):
                     return DropOp(str(agent_id))
                 case ReferenceGenerate(prompt_tokens=prompt_tokens, max_tokens=max_tokens):

@@ -13,8 +13,8 @@ from pathlib import Path
 from loguru import logger
 
 from semantic.actors.agent_id import AgentId, InvalidAgentIdError
-from semantic.engine.cache_tensors import SerializedCache
-from semantic.storage.cache_file import CacheIdentity, read_cache_file, read_stated_tokens, write_cache_file
+from semantic.engine.cache_tensors import SerializedCache, tokens_digest
+from semantic.storage.cache_file import CacheIdentity, read_cache_file, read_stated_tokens
 from semantic.storage.disk_budget import CacheFileUse
 
 SUFFIX = ".safetensors"
@@ -106,19 +106,13 @@ def refuse_case_twin(agent_id: AgentId, ids_with_files: Iterable[AgentId], disk_
         )
 
 
-def write_and_measure(path: Path, cache: SerializedCache, identity: CacheIdentity) -> int:
-    """Write an agent's cache file; returns its size."""
-    write_cache_file(path, cache, identity)
-    return path.stat().st_size
-
-
-def read_and_touch(path: Path, identity: CacheIdentity, agent_id: str) -> SerializedCache:
+def read_and_touch(path: Path, identity: CacheIdentity, agent_id: str) -> tuple[SerializedCache, str]:
     """Read an agent's cache file and mark it used now (its mtime), so that its recency survives a
-    restart of the disk budget's bookkeeping."""
+    restart of the disk budget's bookkeeping; the cache and the digest of its (checked) token ids."""
     cache = read_cache_file(path, identity, agent_id)
     with contextlib.suppress(FileNotFoundError):
         os.utime(path)
-    return cache
+    return cache, tokens_digest(cache.tensors["tokens"])
 
 
 def unlink(*paths: Path) -> None:

@@ -84,8 +84,9 @@ def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
         raise
 
 
-def write_cache_file(path: Path, cache: SerializedCache, identity: CacheIdentity) -> int:
-    """Worker thread: write atomically (temp file, fsync, rename). Returns the file size."""
+def write_cache_file(path: Path, cache: SerializedCache, identity: CacheIdentity) -> tuple[int, str]:
+    """Worker thread: write atomically (temp file, fsync, rename). Returns the file's size and the
+    digest of the token ids it holds (its header states it too)."""
     # safetensors writes a strided array's underlying memory, not its elements: make each contiguous
     # (a no-op for the usual, contiguous ones) so the file holds what the checksum covers.
     tensors = {name: np.ascontiguousarray(tensor) for name, tensor in cache.tensors.items()}
@@ -98,12 +99,12 @@ def write_cache_file(path: Path, cache: SerializedCache, identity: CacheIdentity
         "cache_spec": json.dumps(identity.spec, sort_keys=True),
         "sliding_meta": json.dumps(cache.sliding_meta),
         "num_tokens": str(cache.num_tokens),
-        "tokens_digest": tokens_digest(tensors["tokens"]),
+        "tokens_digest": (digest := tokens_digest(tensors["tokens"])),
         "layout": identity.layout,
         "checksum": _checksum(tensors),
     }
     replace_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
-    return path.stat().st_size
+    return path.stat().st_size, digest
 
 
 def read_stated_tokens(path: Path) -> tuple[int, str]:

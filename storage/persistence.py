@@ -19,7 +19,7 @@ from typing import Any
 from loguru import logger
 
 from semantic.actors.agent_id import AgentId, InvalidAgentIdError
-from semantic.engine.cache_tensors import SerializedCache, tokens_digest
+from semantic.engine.cache_tensors import SerializedCache
 from semantic.storage.agents_folder import (
     CONVERSATION_SUFFIX,
     SUFFIX,
@@ -31,12 +31,8 @@ from semantic.storage.agents_folder import (
     refuse_case_twin,
     scan_folder,
     unlink,
-    write_and_measure,
 )
-from semantic.storage.cache_file import (
-    CacheFileError,
-    CacheIdentity,
-)
+from semantic.storage.cache_file import CacheFileError, CacheIdentity, write_cache_file
 from semantic.storage.conversation_file import (
     ConversationFileError,
     ConversationRecord,
@@ -226,13 +222,15 @@ class PersistenceActor:
             return None
         start = time.perf_counter()
         try:
-            num_bytes = await self._io(write_and_measure, self.path_for(agent_id), cache, self.identity)
+            num_bytes, digest = await self._io(
+                write_cache_file, self.path_for(agent_id), cache, self.identity
+            )
         except OSError as error:
             logger.error("could not write the cache of agent {}: {}", agent_id, error)
             return None
         seconds = time.perf_counter() - start
         entry = self._index.setdefault(agent_id, DiskEntry())
-        entry.holds_cache(cache.num_tokens, tokens_digest(cache.tensors["tokens"]))
+        entry.holds_cache(cache.num_tokens, digest)
         self.num_writes += 1
         self.last_write_s = seconds
         self.write_seconds_total += seconds
@@ -266,7 +264,7 @@ class PersistenceActor:
             return None
         path = self.path_for(agent_id)
         try:
-            cache: SerializedCache = await self._io(read_and_touch, path, self.identity, agent_id)
+            cache, digest = await self._io(read_and_touch, path, self.identity, agent_id)
         except CacheFileError as error:
             await self._quarantine(agent_id, path, str(error))
             return None
@@ -275,7 +273,7 @@ class PersistenceActor:
             self.disk_budget.forget(agent_id)
             return None
         self.num_loads += 1
-        entry.holds_cache(cache.num_tokens, tokens_digest(cache.tensors["tokens"]))  # checked now
+        entry.holds_cache(cache.num_tokens, digest)  # of the token ids the read checked
         self.disk_budget.touch(agent_id, time.time())
         return cache
 
