@@ -1,8 +1,9 @@
 """Model swap latency and memory: default model <-> a tiny second model, phase by phase.
 
 Each swap drains the running batch (here one request is still decoding when it is asked for),
-flushes every hot agent cache to disk, unloads (MLX memory back), loads the other model and is
-ready. Memory is MLX's active memory before the first load, loaded, and after unloading.
+flushes every hot agent cache to disk (each round gives every agent a new turn, so each swap has
+five caches to write), unloads (MLX memory back), loads the other model and is ready. Memory is
+MLX's active memory before the first load, loaded, and after unloading.
 Writes bench/results/model_swap.json.
 """
 
@@ -31,11 +32,14 @@ AGENTS = 4
 SYSTEM_PROMPT = "You are a careful assistant who answers in full sentences. " * 40  # ~500 tokens
 
 
-async def warm_agents(system: AgentSystem) -> None:
+async def warm_agents(system: AgentSystem, round_: int) -> None:
+    """A new turn for each agent, so every swap has caches to write: a flush skips an agent whose
+    file already holds its cache's tokens (a round that repeated the last one's turns would write
+    nothing)."""
     for index in range(AGENTS):
         messages = [
             {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": f"Hello {index}"},
+            {"role": "user", "content": f"Hello {index}, this is round {round_}."},
         ]
         turn = TurnRequest(
             f"warm-{index}", AgentId(f"agent-{index}"), messages, SamplingParams(temperature=0, max_tokens=8)
@@ -43,9 +47,9 @@ async def warm_agents(system: AgentSystem) -> None:
         await _consume((await system.start_turn(turn)).stream)
 
 
-async def swap_while_decoding(system: AgentSystem, target: str) -> SwapReport:
+async def swap_while_decoding(system: AgentSystem, target: str, round_: int) -> SwapReport:
     """Ask for the swap while a 48-token reply is still decoding: the drain waits for it."""
-    messages = [{"role": "user", "content": "Tell me a story."}]
+    messages = [{"role": "user", "content": f"Tell me story number {round_}."}]
     turn = TurnRequest("busy", AgentId("agent-busy"), messages, SamplingParams(max_tokens=48))
     consumer = asyncio.create_task(_consume((await system.start_turn(turn)).stream))
     await asyncio.sleep(0.5)
@@ -82,11 +86,11 @@ async def main() -> None:
         default_name = system.models.registry.initial.name
         to_tiny: list[SwapReport] = []
         to_default: list[SwapReport] = []
-        for _ in range(ROUNDS):
-            await warm_agents(system)
-            to_tiny.append(await swap_while_decoding(system, "tiny"))
-            to_default.append(await swap_while_decoding(system, default_name))
-        await warm_agents(system)
+        for round_ in range(ROUNDS):
+            await warm_agents(system, round_)
+            to_tiny.append(await swap_while_decoding(system, "tiny", round_))
+            to_default.append(await swap_while_decoding(system, default_name, round_))
+        await warm_agents(system, ROUNDS)
         unloaded = await system.models.unload()
         assert unloaded is not None
         await system.stop()
@@ -97,7 +101,7 @@ async def main() -> None:
         "model": default_name,
         "first_load_s": round(first_load_s, 3),
         "rounds": ROUNDS,
-        "agents_flushed_per_swap": to_tiny[0].num_flushed,
+        "agents_flushed_per_swap": [r.num_flushed for r in to_tiny],
         "default_to_tiny": phases(to_tiny),
         "tiny_to_default": phases(to_default),
         "memory_bytes": {
