@@ -176,10 +176,11 @@ class ModelHost:
         if persistence is None or self.engine.loaded is None:
             return []
         on_disk = await persistence.on_disk()
-        unchanged = {str(a): e.tokens_digest for a, e in on_disk.items() if e.has_cache and e.tokens_digest}
+        file_digests = {str(a): e.tokens_digest for a, e in on_disk.items() if e.has_cache}
         written: list[str] = []
         for cached in await self.engine.ask(ListCaches()):
-            caches = await self.engine.ask(SnapshotCaches(str(cached.agent_id), unchanged))
+            file_digest = file_digests.get(cached.agent_id, "")
+            caches = await self.engine.ask(SnapshotCaches(cached.agent_id, file_digest))
             if caches:
                 written += await persistence.save(caches)
         return written

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -88,10 +87,10 @@ class TakeCache(EngineAsk[SerializedCache | None]):
 @dataclass(frozen=True, slots=True)
 class SnapshotCaches(EngineAsk[list[SerializedCache]]):
     """Serialize a named agent's cache in memory (it stays there), unless it has none or its tokens
-    digest is the one `unchanged` gives for it (its file holds it already): [] then."""
+    digest is `file_digest`, its file's (the file holds it already): [] then. "": no current file."""
 
     agent_id: str
-    unchanged: Mapping[str, str] = field(default_factory=dict)
+    file_digest: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -177,8 +177,8 @@ class EngineCore:
                 return self._restore(cache.agent_id, fingerprint, salt, cache.num_tokens, lambda: cache)
             case TakeCache(agent_id=agent_id):
                 return runtime.take(agent_id) if runtime is not None else None
-            case SnapshotCaches(agent_id=agent_id, unchanged=unchanged):
-                return runtime.snapshot_named(agent_id, unchanged) if runtime is not None else []
+            case SnapshotCaches(agent_id=agent_id, file_digest=file_digest):
+                return runtime.snapshot_named(agent_id, file_digest) if runtime is not None else []
             case DropCache(agent_id=agent_id):
                 if runtime is not None:
                     runtime.store.drop(agent_id)

@@ -131,8 +131,11 @@ class FollowerCore(EngineCore):
                     taken = self._quietly(TakeCache(agent_id))
                     if taken is not None:
                         self._save([taken])
-                case SnapshotOp(agent_id=agent_id, unchanged=unchanged):
-                    self._save(self._quietly(SnapshotCaches(agent_id, self._shards_on_disk(unchanged))) or [])
+                case SnapshotOp(agent_id=agent_id, file_digest=file_digest):
+                    self._save(
+                        self._quietly(SnapshotCaches(agent_id, self._shard_digest(agent_id, file_digest)))
+                        or []
+                    )
                 case DropOp(agent_id=agent_id):
                     self._quietly(DropCache(agent_id))
                     if self.loaded is not None:
@@ -186,11 +189,13 @@ class FollowerCore(EngineCore):
             return None
         return cache
 
-    def _shards_on_disk(self, unchanged: dict[str, str]) -> dict[str, str]:
-        """Of the agents whose file rank 0 found current, those this rank has a shard file for (it
-        wrote and read its shards when rank 0 did; a restore checks the tokens of one anyway)."""
-        loaded, files = self.loaded, self._follower.files
-        return {a: d for a, d in unchanged.items() if loaded is not None and files.holds(a, loaded)}
+    def _shard_digest(self, agent_id: str, file_digest: str) -> str:
+        """The digest rank 0's file of `agent_id` states, if this rank has a shard file for it too (it
+        wrote and read its shards when rank 0 did; a restore checks the tokens of one anyway), else ""."""
+        loaded = self.loaded
+        if file_digest and loaded is not None and self._follower.files.holds(agent_id, loaded):
+            return file_digest
+        return ""
 
     def _save(self, caches: list[SerializedCache]) -> None:
         if caches and self.loaded is not None:

@@ -7,7 +7,6 @@ answers are computed here, on the engine thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -107,13 +106,13 @@ class Runtime:
         self.store.drop(agent_id)
         return serialized
 
-    def snapshot_named(self, agent_id: str, unchanged: Mapping[str, str]) -> list[SerializedCache]:
-        """A named agent's cache, unless it has none or `unchanged` gives its tokens digest (its file
+    def snapshot_named(self, agent_id: str, file_digest: str) -> list[SerializedCache]:
+        """A named agent's cache, unless it has none or its tokens digest is `file_digest` (its file
         holds it already)."""
         agent = self.store.agents.get(agent_id)
         if agent is None or is_anonymous(agent_id):
             return []
-        if agent_id in unchanged and unchanged[agent_id] == tokens_digest(agent.token_ids):
+        if file_digest and file_digest == tokens_digest(agent.token_ids):
             return []  # its file holds it
         return [to_tensors(self.store.snapshot(agent_id))]
 

@@ -95,7 +95,7 @@ class TakeOp(msgspec.Struct, tag=True):
 
 class SnapshotOp(msgspec.Struct, tag=True):
     agent_id: str
-    unchanged: dict[str, str] = {}
+    file_digest: str = ""
 
 
 class DropOp(msgspec.Struct, tag=True):
@@ -175,8 +175,8 @@ def op_for(message: Message) -> Op | None:
                     return RestoreOp(str(cache.agent_id), fingerprint, _str(salt), cache.num_tokens, digest)
                 case TakeCache(agent_id=agent_id):
                     return TakeOp(str(agent_id))
-                case SnapshotCaches(agent_id=agent_id, unchanged=unchanged):
-                    return SnapshotOp(str(agent_id), {str(a): str(d) for a, d in unchanged.items()})
+                case SnapshotCaches(agent_id=agent_id, file_digest=file_digest):
+                    return SnapshotOp(str(agent_id), file_digest)
                 case DropCache(agent_id=agent_id):
                     return DropOp(str(agent_id))
                 case ReferenceGenerate(prompt_tokens=prompt_tokens, max_tokens=max_tokens):

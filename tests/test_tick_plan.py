@@ -126,11 +126,11 @@ def test_only_what_changes_the_engine_is_shared() -> None:
     cache = SerializedCache("ada", {"tokens": tokens}, [], 3)
     op = tick_plan.op_for(Envelope(RestoreCache(cache, "fp"), reply, loop))
     assert op == tick_plan.RestoreOp("ada", "fp", None, 3, tick_plan.tokens_digest([5, 6, 7]))
-    # A flush's snapshot of one agent, with the files rank 0 found current: ids travel as plain str.
-    snapshot = SnapshotCaches(AgentId("ada"), {AgentId("bob"): "digest"})
+    # A flush's snapshot of one agent, with the digest its file states: the id travels as a plain str.
+    snapshot = SnapshotCaches(AgentId("ada"), "digest")
     op = tick_plan.op_for(Envelope(snapshot, reply, loop))
     plan = tick_plan.decode(tick_plan.encode(tick_plan.TickPlan([op], None, config_dict(EngineConfig()))))
-    assert plan.ops == [tick_plan.SnapshotOp("ada", {"bob": "digest"})]
+    assert plan.ops == [tick_plan.SnapshotOp("ada", "digest")]
 
 
 @given(st.lists(st.integers(0, 2**20), max_size=64), st.lists(st.integers(0, 2**20), max_size=64))
