@@ -150,15 +150,51 @@ class _Columns:
         return kernels.biased(scores, row_max, self.mask.astype(mx.float32))
 
 
-def _split_columns(
-    keys: mx.array, values: mx.array, length: int, mask: mx.array | str | None
-) -> list[_Columns]:
+@dataclass(frozen=True, slots=True)
+class PaddedCausal:
+    """A boolean mask that mlx-lm's `create_causal_mask(L, offset, left_padding=...)` made (`array`,
+    [B, 1, L, S]; a batch cache's mask): row i of sequence b sees the columns j with
+    left_padding[b] <= j <= offset + i. So the columns from the largest padding up to the last L
+    need no mask, and only the others are masked (with the array's own columns)."""
+
+    array: mx.array
+    max_left_padding: int
+
+
+Mask = mx.array | str | PaddedCausal | None
+
+
+def _broadcast_mask(mask: mx.array) -> mx.array:
+    """A [B, 1, L, S] mask with an axis for the query heads sharing a KV head (the scores' repeats)."""
+    return mx.expand_dims(mask, -3) if mask.ndim > 3 else mask
+
+
+def _split_padded_causal(keys: mx.array, values: mx.array, length: int, mask: PaddedCausal) -> list[_Columns]:
+    total = keys.shape[2]
+    start = -(-mask.max_left_padding // MAX_BLOCK) * MAX_BLOCK
+    end = (total - length) // MAX_BLOCK * MAX_BLOCK
+    if start >= end:
+        return [_Columns(keys, values, _broadcast_mask(mask.array))]
+    parts = [
+        _Columns(keys[..., start:end, :], values[..., start:end, :]),
+        _Columns(keys[..., end:, :], values[..., end:, :], _broadcast_mask(mask.array[..., end:])),
+    ]
+    if start:
+        padded = _broadcast_mask(mask.array[..., :start])
+        parts.insert(0, _Columns(keys[..., :start, :], values[..., :start, :], padded))
+    return parts
+
+
+def _split_columns(keys: mx.array, values: mx.array, length: int, mask: Mask) -> list[_Columns]:
     """The key positions by how they are masked. A causal mask hides only some of the last `length`
-    columns: the columns before them (rounded down to whole blocks for `_row_max`) need no mask."""
+    columns: the columns before them (rounded down to whole blocks for `_row_max`) need no mask,
+    nor, with left padding, those from the largest padding on."""
     if mask is None:
         return [_Columns(keys, values)]
+    if isinstance(mask, PaddedCausal):
+        return _split_padded_causal(keys, values, length, mask)
     if isinstance(mask, mx.array):
-        return [_Columns(keys, values, mx.expand_dims(mask, -3) if mask.ndim > 3 else mask)]
+        return [_Columns(keys, values, _broadcast_mask(mask))]
     total = keys.shape[2]
     open_width = (total - length) // MAX_BLOCK * MAX_BLOCK
     keep = mx.arange(total - length, total)[:, None] >= mx.arange(open_width, total)[None]
@@ -168,9 +204,7 @@ def _split_columns(
     return [_Columns(keys[..., :open_width, :], values[..., :open_width, :]), tail]
 
 
-def attention(
-    queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: mx.array | str | None
-) -> mx.array:
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Mask) -> mx.array:
     """Scaled dot-product attention with mlx's semantics ("causal" is bottom-right aligned)."""
     batch, heads, length, dims = queries.shape
     kv_heads = keys.shape[1]

@@ -1,5 +1,5 @@
 """Hooks into mlx-lm's model modules, which call module globals (`scaled_dot_product_attention`,
-`swiglu`) that we replace.
+`swiglu`, `create_causal_mask`) that we replace.
 
 Attention is hooked on every backend, for one reason everywhere: a packed pass (`mixed_step.py`)
 hands it a `PackedLayerCache`, and each group is attended apart. On the CPU the hooks also use our
@@ -7,6 +7,12 @@ kernels, `cpu_attention` and `cpu_swiglu`, but only on a thread that asked for t
 thread, inside `cpu_kernels_on_this_thread`) and only where they compute what mlx-lm would (no
 attention sinks, no quantized KV cache; float32 SwiGLU); everywhere else each is mlx-lm's own
 function, bit for bit. Metal and CUDA keep their fused kernels.
+
+A batch cache's mask is a boolean array even for one sequence without padding (mlx-lm's
+`BatchKVCache.make_mask`), and masking every score cost a returning agent's 30-token turn over a
+2.3K history ~1 ms a layer. So on the engine thread the masks `create_causal_mask` makes are
+remembered with their largest left padding, and attention given one of them masks only the columns
+that need it (`cpu_attention.PaddedCausal`); any other array is applied whole.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import functools
 import os
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -44,6 +51,42 @@ def _on_engine_thread() -> bool:
     return getattr(_engine_thread, "enabled", False)
 
 
+# The last few causal masks made on the engine thread (a packed pass makes two before attending).
+NUM_REMEMBERED_MASKS = 4
+
+
+def _remembered_masks() -> deque[cpu_attention.PaddedCausal]:
+    masks: deque[cpu_attention.PaddedCausal] | None = getattr(_engine_thread, "masks", None)
+    if masks is None:
+        masks = _engine_thread.masks = deque(maxlen=NUM_REMEMBERED_MASKS)
+    return masks
+
+
+def _causal_mask_hook(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    @functools.wraps(original)
+    def create_causal_mask(
+        N: int,
+        offset: int = 0,
+        window_size: int | None = None,
+        right_padding: mx.array | None = None,
+        left_padding: mx.array | None = None,
+    ) -> mx.array:
+        mask = original(N, offset, window_size, right_padding, left_padding)
+        if _on_engine_thread() and window_size is None and right_padding is None:
+            max_left_padding = 0 if left_padding is None else int(left_padding.max().tolist())  # type: ignore[arg-type]
+            _remembered_masks().append(cpu_attention.PaddedCausal(mask, max_left_padding))
+        return mask
+
+    return create_causal_mask
+
+
+def _known_mask(mask: Any, length: int, total: int) -> Any:
+    """`mask` as a `PaddedCausal` if `create_causal_mask` made it for these shapes, else as it is."""
+    if not isinstance(mask, mx.array) or mask.shape[-2:] != (length, total):
+        return mask
+    return next((known for known in _remembered_masks() if known.array is mask), mask)
+
+
 def _attention_hook(original: Callable[..., mx.array], cpu_kernels: bool) -> Callable[..., mx.array]:
     @functools.wraps(original)
     def scaled_dot_product_attention(
@@ -58,6 +101,7 @@ def _attention_hook(original: Callable[..., mx.array], cpu_kernels: bool) -> Cal
         def attend(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Any) -> Any:
             if not (cpu_kernels and _on_engine_thread()) or sinks is not None or hasattr(cache, "bits"):
                 return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+            mask = _known_mask(mask, queries.shape[2], keys.shape[2])
             return cpu_attention.attention(queries, keys, values, scale, mask)
 
         if isinstance(cache, PackedLayerCache):
@@ -101,4 +145,6 @@ def install_kernel_hooks() -> bool:
     if cpu_kernels:
         swiglu = _swiglu_hook(activations.swiglu)
         _install("swiglu", activations.swiglu, swiglu, activations, "SwiGLU with the polynomial exponential")
+        masks = _causal_mask_hook(base.create_causal_mask)
+        _install("create_causal_mask", base.create_causal_mask, masks, base, "causal masks told apart")
     return cpu_kernels

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mlx_lm.models.base import create_causal_mask
 
 from semantic.engine import cpu_attention, cpu_kernels
 
@@ -27,8 +28,8 @@ def attention_inputs(draw: st.DrawFn) -> tuple[mx.array, mx.array, mx.array, obj
     batch = draw(st.integers(1, 2))
     kv_heads = draw(st.sampled_from([1, 2, 3]))
     repeats = draw(st.sampled_from([1, 3]))
-    length = draw(st.integers(2, 48))
-    cached = draw(st.integers(0, 80))
+    length = draw(st.integers(1, 48))
+    cached = draw(st.integers(0, 200))
     dims = draw(st.sampled_from([8, 64]))
     total = cached + length
     seed = draw(st.integers(0, 2**16))
@@ -37,10 +38,15 @@ def attention_inputs(draw: st.DrawFn) -> tuple[mx.array, mx.array, mx.array, obj
     queries = mx.random.normal((batch, kv_heads * repeats, length, dims), key=k1)
     keys = mx.random.normal((batch, kv_heads, total, dims), key=k2) * 3
     values = mx.random.normal((batch, kv_heads, total, dims), key=k3)
-    kind = draw(st.sampled_from(["none", "causal", "bool", "additive"]))
+    kind = draw(st.sampled_from(["none", "causal", "bool", "additive", "padded causal"]))
     mask: object = None
     if kind == "causal":
         mask = "causal"
+    elif kind == "padded causal":
+        # A batch cache's mask as mlx-lm makes it, told apart as the engine thread's hook tells it.
+        padding = [draw(st.integers(0, cached)) for _ in range(batch)]
+        array = create_causal_mask(length, cached, left_padding=mx.array(padding))
+        mask = cpu_attention.PaddedCausal(array, max(padding))
     elif kind in ("bool", "additive"):
         # What BatchKVCache passes: causal and left padding per sequence, shape [B, 1, L, S].
         padding = mx.array([draw(st.integers(0, cached)) for _ in range(batch)])
@@ -59,7 +65,8 @@ def test_attention_equals_mlx_scaled_dot_product_attention(
 ) -> None:
     queries, keys, values, mask = inputs
     scale = queries.shape[-1] ** -0.5
-    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)  # type: ignore[arg-type]
+    theirs = mask.array if isinstance(mask, cpu_attention.PaddedCausal) else mask
+    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=theirs)  # type: ignore[arg-type]
     ours = cpu_attention.attention(queries, keys, values, scale, mask)  # type: ignore[arg-type]
     np.testing.assert_allclose(np.array(ours), np.array(expected), rtol=1e-4, atol=2e-5)
 
@@ -156,3 +163,42 @@ def test_a_model_run_off_the_engine_thread_gives_mlx_lm_s_exact_logits(
     hooked = np.array(hooked_model(tokens))
     monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
     np.testing.assert_array_equal(hooked, np.array(hooked_model(tokens)))
+
+
+def test_a_batch_cache_s_mask_made_on_the_engine_thread_is_attended_as_a_padded_causal_mask(
+    hooked_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import BatchKVCache
+
+    seen: list[object] = []
+
+    def spy(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+        seen.append(mask)
+        return attention(queries, keys, values, scale, mask)
+
+    attention = cpu_attention.attention
+    monkeypatch.setattr(cpu_attention, "attention", spy)
+    hook = llama.scaled_dot_product_attention
+    k1, k2, k3 = mx.random.split(mx.random.key(7), 3)
+    cache = BatchKVCache(left_padding=[70, 0])
+    cache.update_and_fetch(*(mx.random.normal((2, 3, 200, 64), key=k) for k in (k1, k2)))
+    queries = mx.random.normal((2, 9, 12, 64), key=k3)
+    with cpu_kernels.cpu_kernels_on_this_thread():
+        mask = cache.make_mask(12)
+        keys, values = cache.update_and_fetch(queries[:, :3] * 2, queries[:, 3:6])
+        ours = hook(queries, keys, values, cache, scale=0.125, mask=mask)
+    (padded,) = seen
+    assert isinstance(padded, cpu_attention.PaddedCausal) and padded.array is mask
+    assert padded.max_left_padding == 70
+    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=mask)
+    np.testing.assert_allclose(np.array(ours), np.array(expected), rtol=1e-4, atol=2e-5)
+    # Changed after it was made, or made off the engine thread: the array is applied whole.
+    seen.clear()
+    cache.offset -= 12
+    cache._idx -= 12
+    elsewhere = cache.make_mask(12)
+    with cpu_kernels.cpu_kernels_on_this_thread():
+        hook(queries, keys, values, cache, scale=0.125, mask=mask & mask)
+        hook(queries, keys, values, cache, scale=0.125, mask=elsewhere)
+    assert [type(mask) for mask in seen] == [mx.array, mx.array]
