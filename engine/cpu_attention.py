@@ -29,6 +29,7 @@ do exactly as mlx-lm would (no attention sinks, no quantized KV cache).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -169,19 +170,20 @@ def _broadcast_mask(mask: mx.array) -> mx.array:
     return mx.expand_dims(mask, -3) if mask.ndim > 3 else mask
 
 
-def _split_padded_causal(keys: mx.array, values: mx.array, length: int, mask: PaddedCausal) -> list[_Columns]:
+def _causal_columns(
+    keys: mx.array, values: mx.array, start: int, end: int, masked: Callable[[int, int], mx.array]
+) -> list[_Columns]:
+    """Columns `start` to `end` open, the ones before and after them masked by `masked(first, last)`
+    (the mask of those columns); all of them masked where nothing is left open."""
     total = keys.shape[2]
-    start = -(-mask.max_left_padding // MAX_BLOCK) * MAX_BLOCK
-    end = (total - length) // MAX_BLOCK * MAX_BLOCK
     if start >= end:
-        return [_Columns(keys, values, _broadcast_mask(mask.array))]
+        return [_Columns(keys, values, masked(0, total))]
     parts = [
         _Columns(keys[..., start:end, :], values[..., start:end, :]),
-        _Columns(keys[..., end:, :], values[..., end:, :], _broadcast_mask(mask.array[..., end:])),
+        _Columns(keys[..., end:, :], values[..., end:, :], masked(end, total)),
     ]
     if start:
-        padded = _broadcast_mask(mask.array[..., :start])
-        parts.insert(0, _Columns(keys[..., :start, :], values[..., :start, :], padded))
+        parts.insert(0, _Columns(keys[..., :start, :], values[..., :start, :], masked(0, start)))
     return parts
 
 
@@ -191,17 +193,21 @@ def _split_columns(keys: mx.array, values: mx.array, length: int, mask: Mask) ->
     nor, with left padding, those from the largest padding on."""
     if mask is None:
         return [_Columns(keys, values)]
-    if isinstance(mask, PaddedCausal):
-        return _split_padded_causal(keys, values, length, mask)
     if isinstance(mask, mx.array):
         return [_Columns(keys, values, _broadcast_mask(mask))]
     total = keys.shape[2]
-    open_width = (total - length) // MAX_BLOCK * MAX_BLOCK
-    keep = mx.arange(total - length, total)[:, None] >= mx.arange(open_width, total)[None]
-    tail = _Columns(keys[..., open_width:, :], values[..., open_width:, :], keep)
-    if open_width == 0:
-        return [tail]
-    return [_Columns(keys[..., :open_width, :], values[..., :open_width, :]), tail]
+    end = (total - length) // MAX_BLOCK * MAX_BLOCK
+    if isinstance(mask, PaddedCausal):
+        array = mask.array
+        start = -(-mask.max_left_padding // MAX_BLOCK) * MAX_BLOCK
+        return _causal_columns(
+            keys, values, start, end, lambda first, last: _broadcast_mask(array[..., first:last])
+        )
+
+    def causal(first: int, last: int) -> mx.array:
+        return mx.arange(total - length, total)[:, None] >= mx.arange(first, last)[None]
+
+    return _causal_columns(keys, values, 0, end, causal)
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Mask) -> mx.array:
