@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from semantic.engine.last_token_fold import FoldingBatchGenerator
 from semantic.engine.messages import Finished, TokenDelta
 from semantic.engine.outbox import Outbox
+from semantic.engine.prefill_budget import PrefillBudget
 from semantic.engine.runtime import Runtime
 from tests.batch_driver import chat, deliver, has_token, loop, outbox, runtime, steps_until_finished, submit
 
@@ -51,13 +54,48 @@ def test_a_reply_of_one_token_is_posted_once_and_then_finishes(
     assert runtime.pool.num_used_blocks == len(held)
 
 
+@dataclass(slots=True)
+class ModelledBudget(PrefillBudget):
+    """The engine's budget, told the times of a fixed backend instead of the wall clock: a decode
+    step takes `DECODE_S` and each prompt token `TOKEN_S` more, so a whole chunk stalls a stream for
+    ten decode steps. The chunks it chooses then depend on the tokens alone, not on how busy the
+    machine running the test is."""
+
+    DECODE_S: ClassVar[float] = 0.1
+    TOKEN_S: ClassVar[float] = 1.0 / 512
+    chunks: list[int] = field(default_factory=list)  # each tick's prompt tokens while a stream decoded
+
+    def observe(self, elapsed_s: float, num_decoding: int, num_prompt_tokens: int) -> None:
+        if num_decoding and num_prompt_tokens:
+            self.chunks.append(num_prompt_tokens)
+        modelled_s = (self.DECODE_S if num_decoding else 0.0) + num_prompt_tokens * self.TOKEN_S
+        PrefillBudget.observe(self, modelled_s, num_decoding, num_prompt_tokens)
+
+
 def test_a_short_turn_goes_in_whole_while_a_stream_decodes_and_a_long_prompt_in_chunks(
     runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop
 ) -> None:
-    assert runtime.batch.prefill_budget.stall_ratio > 0  # the default
+    engine_budget = runtime.batch.prefill_budget
+    assert engine_budget.stall_ratio > 0  # the default
+    budget = ModelledBudget(
+        engine_budget.max_tokens, engine_budget.stall_ratio, engine_budget.short_turn_tokens
+    )
+    runtime.batch.prefill_budget = budget
+    try:
+        check_short_and_long_turns(runtime, outbox, loop, budget)
+    finally:
+        runtime.batch.prefill_budget = engine_budget
+
+
+def check_short_and_long_turns(
+    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop, budget: ModelledBudget
+) -> None:
     counting = list(runtime.loaded.tokenizer.encode(", ".join(str(i) for i in range(1, 21)) + ","))
     runner = submit(runtime, loop, counting, 600)
     while not has_token(runner):
+        runtime.batch.step()
+        deliver(runtime, outbox, loop)
+    for _ in range(3):  # it decodes alone for a while: the budget learns its step's time
         runtime.batch.step()
         deliver(runtime, outbox, loop)
 
@@ -72,10 +110,16 @@ def test_a_short_turn_goes_in_whole_while_a_stream_decodes_and_a_long_prompt_in_
 
     short = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 60)
     long = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 250)
-    chunk = runtime.batch.prefill_budget.max_tokens
-    assert len(short) <= chunk and runtime.batch.prefill_budget.short_turn_tokens < len(long)
+    chunk = budget.max_tokens
+    assert len(short) <= chunk and budget.short_turn_tokens < len(long)
     # One step prefills it whole and (folded) samples, or the next one samples.
+    del budget.chunks[:]
     assert steps_to_first_token(short) == (1 if folds(runtime) else 2)
+    assert len(budget.chunks) == 1  # one stall, however long
+    del budget.chunks[:]
     assert steps_to_first_token(long) > 2 * math.ceil(len(long) / chunk)  # small chunks
+    # A whole chunk would stall the stream for ten decode steps; each chunk kept it near one.
+    allowed = budget.stall_ratio * ModelledBudget.DECODE_S / ModelledBudget.TOKEN_S
+    assert budget.chunks and max(budget.chunks) <= 1.5 * allowed
     runtime.batch.cancel(runner.request.request_id)
     deliver(runtime, outbox, loop)
