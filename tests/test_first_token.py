@@ -9,15 +9,16 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
-from dataclasses import dataclass, field
-from typing import ClassVar
+from collections.abc import Iterator
+
+import pytest
 
 from semantic.engine.last_token_fold import FoldingBatchGenerator
 from semantic.engine.messages import Finished, TokenDelta
 from semantic.engine.outbox import Outbox
-from semantic.engine.prefill_budget import PrefillBudget
 from semantic.engine.runtime import Runtime
 from tests.batch_driver import chat, deliver, has_token, loop, outbox, runtime, steps_until_finished, submit
+from tests.modelled_budget import ModelledBudget
 
 __all__ = ["loop", "outbox", "runtime"]  # fixtures
 
@@ -54,56 +55,37 @@ def test_a_reply_of_one_token_is_posted_once_and_then_finishes(
     assert runtime.pool.num_used_blocks == len(held)
 
 
-@dataclass(slots=True)
-class ModelledBudget(PrefillBudget):
-    """The engine's budget, told the times of a fixed backend instead of the wall clock: a decode
-    step takes `DECODE_S` and each prompt token `TOKEN_S` more, so a whole chunk stalls a stream for
-    ten decode steps. The chunks it chooses then depend on the tokens alone, not on how busy the
-    machine running the test is."""
-
-    DECODE_S: ClassVar[float] = 0.1
-    TOKEN_S: ClassVar[float] = 1.0 / 512
-    chunks: list[int] = field(default_factory=list)  # each tick's prompt tokens while a stream decoded
-
-    def observe(self, elapsed_s: float, num_decoding: int, num_prompt_tokens: int) -> None:
-        if num_decoding and num_prompt_tokens:
-            self.chunks.append(num_prompt_tokens)
-        modelled_s = (self.DECODE_S if num_decoding else 0.0) + num_prompt_tokens * self.TOKEN_S
-        PrefillBudget.observe(self, modelled_s, num_decoding, num_prompt_tokens)
+@pytest.fixture
+def modelled_budget(runtime: Runtime) -> Iterator[ModelledBudget]:
+    """The runtime's batch with a `ModelledBudget` in its engine budget's settings, for one test."""
+    engine_budget = runtime.batch.prefill_budget
+    budget = ModelledBudget.like(engine_budget)
+    runtime.batch.prefill_budget = budget
+    yield budget
+    runtime.batch.prefill_budget = engine_budget
 
 
 def test_a_short_turn_goes_in_whole_while_a_stream_decodes_and_a_long_prompt_in_chunks(
-    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop
+    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop, modelled_budget: ModelledBudget
 ) -> None:
-    engine_budget = runtime.batch.prefill_budget
-    assert engine_budget.stall_ratio > 0  # the default
-    budget = ModelledBudget(
-        engine_budget.max_tokens, engine_budget.stall_ratio, engine_budget.short_turn_tokens
-    )
-    runtime.batch.prefill_budget = budget
-    try:
-        check_short_and_long_turns(runtime, outbox, loop, budget)
-    finally:
-        runtime.batch.prefill_budget = engine_budget
+    budget = modelled_budget
+    assert budget.stall_ratio > 0  # the default
 
+    def tick() -> None:
+        runtime.batch.step()
+        deliver(runtime, outbox, loop)
 
-def check_short_and_long_turns(
-    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop, budget: ModelledBudget
-) -> None:
     counting = list(runtime.loaded.tokenizer.encode(", ".join(str(i) for i in range(1, 21)) + ","))
     runner = submit(runtime, loop, counting, 600)
     while not has_token(runner):
-        runtime.batch.step()
-        deliver(runtime, outbox, loop)
+        tick()
     for _ in range(3):  # it decodes alone for a while: the budget learns its step's time
-        runtime.batch.step()
-        deliver(runtime, outbox, loop)
+        tick()
 
     def steps_to_first_token(prompt: list[int]) -> int:
         turn = submit(runtime, loop, prompt, 2)
         for steps in range(1, 200):
-            runtime.batch.step()
-            deliver(runtime, outbox, loop)
+            tick()
             if has_token(turn):
                 return steps
         raise AssertionError("no first token")
