@@ -78,6 +78,19 @@ def test_softmax_matches_mlx_for_wide_rows_of_any_scale() -> None:
     )
 
 
+def test_softmax_gives_no_denormal_weights() -> None:
+    """Masked scores (the dtype's minimum, as the tool model's training masks them) and scores far
+    below the row's maximum weigh exactly zero, never a denormal that slows every matmul after."""
+    scores = mx.random.normal((2, 64, 256), key=mx.random.key(5)) * 3
+    causal = mx.arange(256)[None] <= mx.arange(192, 256)[:, None]
+    scores = mx.where(causal, scores, mx.finfo(mx.float32).min)
+    scores[:, :, 0] = 200.0  # a sink that leaves the others ~88-100 nats below
+    weights = np.array(cpu_attention.softmax(scores))
+    assert not ((weights > 0) & (weights < np.finfo(np.float32).tiny)).any()
+    assert (weights[:, ~np.array(causal)] == 0).all()
+    np.testing.assert_allclose(weights, np.array(mx.softmax(scores, axis=-1)), rtol=1e-5, atol=1e-7)
+
+
 def test_a_row_with_every_position_masked_comes_out_zero_not_nan() -> None:
     queries = mx.random.normal((1, 2, 3, 8), key=mx.random.key(2))
     keys = mx.random.normal((1, 2, 5, 8), key=mx.random.key(3))
