@@ -154,8 +154,11 @@ class PrefillBudget:
             if num_decoding:
                 self.decode_steps[num_decoding] = _average(self.decode_steps.get(num_decoding), elapsed_s)
             return
-        if num_decoding and self._decode_bound_s is None:
-            self._decode_bound_s = elapsed_s
+        if num_decoding and num_prompt_tokens <= MIN_CHUNK_TOKENS:
+            # Only a tick that prefilled the floor bounds D: one that took a short turn whole beside
+            # the stream is mostly prefill, and as D it allows chunks as long as itself.
+            bound_s = self._decode_bound_s
+            self._decode_bound_s = elapsed_s if bound_s is None else min(bound_s, elapsed_s)
         decode_s = (self.decode_step_s(num_decoding) or 0.0) if num_decoding else 0.0
         # The decode share is an estimate; never let it leave less than a tenth of the tick to prefill.
         prefill_s = max(elapsed_s - decode_s, elapsed_s / 10)

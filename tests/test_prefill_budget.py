@@ -140,6 +140,23 @@ def test_the_chunk_grows_though_no_tick_ever_decodes_alone(
     assert overhead_s + chunks[-1] * token_s <= 2 * (decode_s + overhead_s + MIN_CHUNK_TOKENS * token_s)
 
 
+def test_a_short_turn_taken_whole_beside_a_stream_does_not_stand_for_its_decode_step() -> None:
+    """A stream's first tick can be one that also took a short turn whole (0.8 s here). Were that
+    tick the bound on a decode step, a long prompt after it would go in chunks as long as it, a
+    13-step stall for the stream on every tick until one decodes alone. It starts at the floor and
+    settles near a decode step's worth of prefill."""
+    decode_s, token_s = 0.06, 0.0015  # 2 CPU cores
+    budget = PrefillBudget(MAX_CHUNK, 1.0, SHORT_TURN)
+    budget.observe(decode_s + 500 * token_s, 1, 500)
+    chunks = []
+    for _ in range(20):
+        chunk = budget.tokens_for_tick(1, LONG_PROMPT)
+        budget.observe(decode_s + chunk * token_s, 1, chunk)
+        chunks.append(chunk)
+    assert chunks[0] == MIN_CHUNK_TOKENS
+    assert max(chunks[1:]) * token_s <= 2 * decode_s
+
+
 @given(
     st.integers(min_value=MIN_CHUNK_TOKENS, max_value=MAX_CHUNK),
     st.integers(min_value=0, max_value=8),
