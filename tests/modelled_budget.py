@@ -3,9 +3,12 @@ assertions follow the chunks it chooses."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from semantic.engine.batch import Batch
 from semantic.engine.prefill_budget import PrefillBudget
 
 
@@ -30,3 +33,15 @@ class ModelledBudget(PrefillBudget):
     def like(cls, budget: PrefillBudget) -> ModelledBudget:
         """One with `budget`'s settings."""
         return cls(budget.max_tokens, budget.stall_ratio, budget.short_turn_tokens)
+
+
+@contextmanager
+def modelled_budget_in(batch: Batch) -> Iterator[ModelledBudget]:
+    """`batch` (the engine's `Batch`, between ticks) with a `ModelledBudget` in its budget's
+    settings; its own budget is put back afterwards."""
+    engine_budget = batch.prefill_budget
+    batch.prefill_budget = budget = ModelledBudget.like(engine_budget)
+    try:
+        yield budget
+    finally:
+        batch.prefill_budget = engine_budget

@@ -18,7 +18,7 @@ from semantic.engine.messages import Finished, TokenDelta
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
 from tests.batch_driver import chat, deliver, has_token, loop, outbox, runtime, steps_until_finished, submit
-from tests.modelled_budget import ModelledBudget
+from tests.modelled_budget import ModelledBudget, modelled_budget_in
 
 __all__ = ["loop", "outbox", "runtime"]  # fixtures
 
@@ -58,11 +58,8 @@ def test_a_reply_of_one_token_is_posted_once_and_then_finishes(
 @pytest.fixture
 def modelled_budget(runtime: Runtime) -> Iterator[ModelledBudget]:
     """The runtime's batch with a `ModelledBudget` in its engine budget's settings, for one test."""
-    engine_budget = runtime.batch.prefill_budget
-    budget = ModelledBudget.like(engine_budget)
-    runtime.batch.prefill_budget = budget
-    yield budget
-    runtime.batch.prefill_budget = engine_budget
+    with modelled_budget_in(runtime.batch) as budget:
+        yield budget
 
 
 def test_a_short_turn_goes_in_whole_while_a_stream_decodes_and_a_long_prompt_in_chunks(

@@ -24,7 +24,7 @@ from semantic.engine.prefill_budget import (
     per_prompt_chunk,
 )
 from semantic.engine.sampling import SamplingParams
-from tests.modelled_budget import ModelledBudget
+from tests.modelled_budget import modelled_budget_in
 
 MAX_CHUNK = 512
 SHORT_TURN = 2 * MAX_CHUNK  # a prompt with at most this many uncached tokens goes in whole chunks
@@ -253,12 +253,8 @@ async def test_a_running_stream_keeps_decoding_while_a_long_prompt_prefills(engi
     # The engine is idle: its budget is swapped between ticks for one told fixed step times, so the
     # chunks follow the tokens, not how busy the machine is.
     assert engine._core is not None and engine._core._runtime is not None
-    batch = engine._core._runtime.batch
-    engine_budget, batch.prefill_budget = batch.prefill_budget, ModelledBudget.like(batch.prefill_budget)
-    try:
+    with modelled_budget_in(engine._core._runtime.batch):
         await _keeps_decoding(engine, counting, long_prompt)
-    finally:
-        batch.prefill_budget = engine_budget
 
 
 async def _keeps_decoding(engine: Engine, counting: list[int], long_prompt: list[int]) -> None:
