@@ -56,7 +56,10 @@ STEPS = {
             "type": "array",
             "items": {
                 "type": "object",
-                "properties": {"n": {"type": "integer"}, "do": {"type": "string", "maxLength": 40}},
+                "properties": {
+                    "n": {"type": "integer", "minimum": 1, "maximum": 9},
+                    "do": {"type": "string", "maxLength": 40},
+                },
                 "required": ["n", "do"],
                 "additionalProperties": False,
             },
@@ -75,6 +78,12 @@ TOPICS = [
     "a weaver", "a barber",
 ]  # fmt: skip
 NUM_REPLIES = int(os.environ.get("STRUCTURED_OUTPUT_REPLIES", "6"))
+# The cap is room, not something under test: a schema's grammar ends each reply, and a sampled one
+# may wander into rare multi-byte text, a few tokens a character, before it does. The longest of
+# 190 sampled STEPS replies took 186 tokens; one in CI was cut at 200 inside its third step's
+# 40-character string. Each string and array here has a bound, so 1024 holds a whole document
+# even at several tokens a character.
+ROOM = 1024
 WEATHER = {
     "type": "object",
     "properties": {
@@ -120,7 +129,7 @@ def test_openai_json_schema_replies_validate(server, temperature: float) -> None
         reply = client.chat.completions.create(
             model="default",
             messages=[{"role": "user", "content": prompt}],
-            max_tokens=200,
+            max_tokens=ROOM,
             temperature=temperature,
             seed=7,
             response_format={
@@ -144,7 +153,7 @@ def test_anthropic_output_config_replies_validate(server, temperature: float) ->
         reply = client.messages.create(
             model="default",
             messages=[{"role": "user", "content": prompt}],
-            max_tokens=200,
+            max_tokens=ROOM,
             output_config={"format": {"type": "json_schema", "schema": schema}},
             extra_body={"temperature": temperature},
         )
@@ -192,7 +201,7 @@ def test_forced_tool_call_input_validates(server, temperature: float) -> None:  
             messages=[
                 {"role": "user", "content": f"What is the weather in {TOPICS[index % len(TOPICS)][2:]}ville?"}
             ],
-            max_tokens=120,
+            max_tokens=ROOM,
             extra_body={"temperature": temperature},
             tools=tools,  # type: ignore[arg-type]
             tool_choice=choices[index % 2],  # type: ignore[arg-type]
