@@ -81,8 +81,9 @@ NUM_REPLIES = int(os.environ.get("STRUCTURED_OUTPUT_REPLIES", "6"))
 # The cap is room, not something under test: a schema's grammar ends each reply, and a sampled one
 # may wander into rare multi-byte text, a few tokens a character, before it does. The longest of
 # 190 sampled STEPS replies took 186 tokens; one in CI was cut at 200 inside its third step's
-# 40-character string. Each string and array here has a bound, so 1024 holds a whole document
-# even at several tokens a character.
+# 40-character string. Every string and array in these schemas has a bound (only a number's
+# digits and CITY's extra keys have none), so 1024 holds a whole document even at several tokens a
+# character.
 ROOM = 1024
 WEATHER = {
     "type": "object",
