@@ -40,8 +40,9 @@ fmt:
     {{venv}}/bin/ruff format .
     {{venv}}/bin/ruff check --fix .
 
-# Build the tool-calling test model: the default model plus a LoRA trained (mlx-lm) on real Claude
-# Code sub-agent sessions recorded against a scripted model; cached beside the default model.
+# Build the tool-calling test model: the default model with the committed LoRA adapter fused in
+# (trained with mlx-lm's LoRA on real Claude Code sub-agent sessions recorded against a scripted
+# model; `--train` trains it again); cached beside the default model.
 tool-model *ARGS:
     {{fast}} {{py}} scripts/make_tool_model.py {{ARGS}}
 

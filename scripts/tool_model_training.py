@@ -121,9 +121,16 @@ def _reply_loss(
 
 
 def train_top_layers(
-    model: nn.Module, examples: list[Example], trained: int, steps: int, learning_rate: float, seed: int
-) -> None:
-    """Put a LoRA on the top `trained` layers of `model` and train it on the examples' replies."""
+    model: nn.Module,
+    examples: list[Example],
+    trained: int,
+    lora_parameters: dict[str, float],
+    steps: int,
+    learning_rate: float,
+    seed: int,
+) -> list[float]:
+    """Put a LoRA (mlx-lm's, `lora_parameters` as its config has them: rank, scale, dropout) on the
+    top `trained` layers of `model` and train it on the examples' replies. Returns each step's loss."""
     first_trained = len(model.model.layers) - trained
     started = time.monotonic()
     states = frozen_states(model, examples, first_trained)
@@ -132,7 +139,7 @@ def train_top_layers(
         file=sys.stderr,
     )
     model.freeze()
-    linear_to_lora_layers(model, trained, {"rank": 16, "scale": 20.0, "dropout": 0.0})
+    linear_to_lora_layers(model, trained, lora_parameters)
     attention_modules = {type(layer.self_attn).__module__ for layer in model.model.layers}
     saved = {name: sys.modules[name].scaled_dot_product_attention for name in attention_modules}
     for name in attention_modules:
@@ -141,8 +148,8 @@ def train_top_layers(
     loss_and_grad = nn.value_and_grad(model, _reply_loss)
     rng = random.Random(seed)
     order: list[int] = []
+    losses: list[float] = []
     try:
-        total = 0.0
         for step in range(1, steps + 1):
             if not order:
                 order = rng.sample(range(len(examples)), len(examples))
@@ -152,11 +159,14 @@ def train_top_layers(
             loss, grads = loss_and_grad(model, states[index], targets, offset, first_trained)
             optimizer.update(model, grads)
             mx.eval(loss, model.trainable_parameters(), optimizer.state)
-            total += loss.item()
+            losses.append(loss.item())
             if step % 10 == 0:
                 elapsed = time.monotonic() - started
-                print(f"step {step}/{steps}: loss {total / 10:.3f} ({elapsed:.0f} s)", file=sys.stderr)
-                total = 0.0
+                print(
+                    f"step {step}/{steps}: loss {sum(losses[-10:]) / 10:.3f} ({elapsed:.0f} s)",
+                    file=sys.stderr,
+                )
     finally:
         for name, function in saved.items():
             sys.modules[name].scaled_dot_product_attention = function  # type: ignore[attr-defined]
+    return losses

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from semantic.engine.default_model import is_converted, user_cache_dir
+from semantic.engine.default_model import user_cache_dir
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+import make_tool_model
 from claude_code_recorder import SESSION_FLAGS, claude_env
 
 
@@ -79,16 +80,16 @@ def test_claude_code_completes_turns_and_reuses_the_cache(
 
 @pytest.fixture(scope="session")
 def tool_model_dir(default_model_dir: Path) -> Path:
-    """The default model taught to call tools as Claude Code does (`scripts/make_tool_model.py`),
-    built on first use and cached beside the default model, like it."""
-    built = default_model_dir.parent / "SmolLM2-135M-Instruct-tools"
-    if not is_converted(built):
+    """The default model taught to call tools as Claude Code does: the committed adapter fused into
+    it (`scripts/make_tool_model.py`), once per adapter, cached beside the default model like it."""
+    built = default_model_dir.parent / make_tool_model.TOOL_MODEL_NAME
+    if not make_tool_model.is_fused_from(built, make_tool_model.ADAPTER):
         script = Path(__file__).parents[1] / "scripts" / "make_tool_model.py"
-        subprocess.run([sys.executable, str(script), "--out", str(built)], check=True, timeout=3000)
+        subprocess.run([sys.executable, str(script), "--out", str(built)], check=True, timeout=600)
     return built
 
 
-@pytest.mark.timeout(3600)  # the first run builds the tool model (about 6 minutes on 2 idle cores)
+@pytest.mark.timeout(1800)  # two CLI sessions: beside two CPU hogs one took over 300 s
 def test_claude_code_sends_a_sub_agent_that_reads_a_file(
     server_factory, tool_model_dir: Path, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
