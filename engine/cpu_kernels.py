@@ -51,6 +51,19 @@ def _on_engine_thread() -> bool:
     return getattr(_engine_thread, "enabled", False)
 
 
+def second_cpu_stream() -> mx.Stream | None:
+    """A second CPU stream for the engine thread, made on first use. MLX runs each stream's ops one
+    at a time on a thread of its own, and an elementwise op on one core, so work split over two
+    streams takes both cores (BLAS calls stay on one stream: their own threads already take both).
+    None off the engine thread, where the model is not on the CPU, or with one core."""
+    if not _on_engine_thread() or mx.default_device() != mx.cpu or (os.cpu_count() or 1) < 2:
+        return None
+    stream: mx.Stream | None = getattr(_engine_thread, "second_stream", None)
+    if stream is None:
+        stream = _engine_thread.second_stream = mx.new_stream(mx.cpu)
+    return stream
+
+
 # The last few causal masks made on the engine thread (a packed pass makes two before attending).
 NUM_REMEMBERED_MASKS = 4
 
@@ -102,7 +115,7 @@ def _attention_hook(original: Callable[..., mx.array], cpu_kernels: bool) -> Cal
             if not (cpu_kernels and _on_engine_thread()) or sinks is not None or hasattr(cache, "bits"):
                 return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
             mask = _known_mask(mask, queries.shape[2], keys.shape[2])
-            return cpu_attention.attention(queries, keys, values, scale, mask)
+            return cpu_attention.attention(queries, keys, values, scale, mask, second_cpu_stream())
 
         if isinstance(cache, PackedLayerCache):
             return packed_attention(queries, keys, values, cache, scale, attend)
