@@ -5,13 +5,7 @@ softmax's scalar `exp` is the largest cost of a long prefill: a 519-token turn o
 history spent 6.5 s of 9 s in it (SmolLM2-135M, 2 cores). Here:
 
 - the query heads that share a KV head are folded into the rows of one matmul per KV head;
-- the exponential is a degree-5 polynomial on 2^fraction, scaled by 2^integer built from the
-  float's bits (relative error < 3e-7); the integer part is rounded with the 1.5·2^23 trick
-  rather than `floor`, and the compiled kernel returns the polynomial and the bits as two arrays
-  of the scores' shape, multiplied outside it: every input and output then has one shape, so
-  `mx.compile` builds one vectorised loop (a broadcast input, or a bit-cast inside, makes it an
-  element-at-a-time strided loop or splits it in several: 1.45 ms instead of 0.73 for the scores
-  of a 41-token turn over a 2.3K history, one SmolLM2 layer);
+- the exponential is `cpu_exp`'s compiled polynomial, not MLX's element-at-a-time `exp`;
 - a causal mask only touches its last L columns: the columns before them (in whole blocks of 64)
   are scored, exponentiated and weighted as a part of their own, with no mask, and only the rest
   is masked (a `where` over every score cost about as much as the exponential);
@@ -20,6 +14,13 @@ history spent 6.5 s of 9 s in it (SmolLM2-135M, 2 cores). Here:
 With the last two, one SmolLM2 layer's attention for a 16-token chunk over 2K tokens of history
 takes 1.5 ms instead of 2.3 (MLX's own: 5.4), and a 16-token chunk's forward pass 139 ms instead
 of 155 (2-vCPU EPYC).
+
+MLX runs each stream's ops one at a time on a thread of its own, and an elementwise op on one core.
+Given a second CPU stream, a call with many scores computes the second half of its query positions'
+row maxima and weights there (the matmuls stay on the calling stream: BLAS threads take both cores
+already). A returning turn's 26 tokens over a 36K history: 27-30 ms a layer instead of 35-37 (a tiny
+Llama, 2 KV heads); a 512-token chunk over 2K with SmolLM2's heads: 49 instead of 72, unmasked
+(2-core Intel Xeon).
 
 Metal and CUDA keep their fused kernels: `cpu_kernels.install_kernel_hooks` routes mlx-lm's attention
 here only when the model runs on the CPU, only on the engine thread, and only for attention it can
@@ -34,95 +35,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
-from loguru import logger
 
-from semantic.engine.shape_bound_compile import ShapeBoundCompile
+from semantic.engine.cpu_exp import ExpKernels, kernels
 
-LOG2_E = 1.4426950408889634
-# Below 2^-126 a float32 is denormal; such weights are zero next to the row's maximum (weight 1).
-MIN_EXPONENT = -126.0
-ROUNDING = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds a float32 to an integer
-# 2^f on [-0.5, 0.5], fitted for relative error (1.3e-7 with these float32 coefficients).
-EXP2_COEFFICIENTS = (
-    1.3313360570942506e-3,
-    9.675888377944817e-3,
-    5.550599827233194e-2,
-    2.4022111126131823e-1,
-    6.931470357007206e-1,
-    1.0000000742738324,
-)
 MAX_BLOCK = 64  # row maxima are taken over blocks of this many columns first (`_row_max`)
 # From this many scores in one call (batch x heads x queries x keys) the elementwise work is split
-# over two streams (`attention`): below it the split's own costs are more than it saves.
-SPLIT_SCORES = 1 << 18
-
-
-def exp2_factors(t: mx.array) -> tuple[mx.array, mx.array]:
-    """2**t for t <= 0 (below -126 as 2**-126) as two factors: a polynomial in t's fraction, and
-    2**round(t) as the bits of a float32 (int32; `.view(mx.float32)` reads it). Elementwise only,
-    so that `mx.compile` fuses it into one loop; the caller multiplies the two outside."""
-    t = mx.where(t < MIN_EXPONENT, MIN_EXPONENT, t)  # `where` vectorises, NaN-aware `maximum` not
-    whole = (t + ROUNDING) - ROUNDING
-    fraction = t - whole
-    poly = fraction * EXP2_COEFFICIENTS[0] + EXP2_COEFFICIENTS[1]  # constants, not array inputs
-    for coefficient in EXP2_COEFFICIENTS[2:]:
-        poly = poly * fraction + coefficient
-    return poly, (whole.astype(mx.int32) + 127) << 23
-
-
-def exp2(t: mx.array) -> mx.array:
-    """2**t for t in [-126, 0]: 2**round(t) from the exponent bits times a polynomial in the rest."""
-    poly, bits = exp2_factors(t)
-    return poly * bits.view(mx.float32)
-
-
-def _log2_factors(shifted: mx.array) -> tuple[mx.array, mx.array]:
-    return exp2_factors(shifted * LOG2_E)
-
-
-class _Kernels:
-    """exp(scores - row max), masked or biased: the polynomial compiled into one loop where the JIT
-    works, MLX's `exp` otherwise."""
-
-    def __init__(self, compiled: bool) -> None:
-        self.compiled = compiled
-        self._factors = ShapeBoundCompile(_log2_factors) if compiled else None
-
-    def _exp(self, shifted: mx.array) -> mx.array:
-        if self._factors is None:
-            return mx.exp(shifted)
-        poly, bits = self._factors(shifted)
-        return poly * bits.view(mx.float32)
-
-    def plain(self, scores: mx.array, row_max: mx.array) -> mx.array:
-        return self._exp(scores - row_max)
-
-    def kept(self, scores: mx.array, row_max: mx.array, keep: mx.array) -> mx.array:
-        return mx.where(keep, self._exp(scores - row_max), 0.0)
-
-    def biased(self, scores: mx.array, row_max: mx.array, bias: mx.array) -> mx.array:
-        return self._exp(scores + bias - row_max)
-
-
-_kernels: _Kernels | None = None
-
-
-def _compiled() -> _Kernels:
-    global _kernels
-    if _kernels is None:
-        _kernels = _Kernels(compiled=jit_works())
-    return _kernels
-
-
-def softmax(scores: mx.array) -> mx.array:
-    """Softmax over the last axis in float32, with the compiled exponential. Weights below 2**-125
-    come out zero: the exponential stops at 2**-126, so a masked score weighs that divided by the
-    row's sum, often a denormal, and a denormal operand costs x86 CPUs a microcode assist on every
-    multiply that meets it (the tool model's LoRA steps, half their weights masked: 33 s each
-    instead of 7.7 on a 2-core Intel Xeon); such a weight adds nothing a float32 sum can hold."""
-    weights = _compiled().plain(scores, scores.max(axis=-1, keepdims=True))
-    weights = weights / weights.sum(axis=-1, keepdims=True)
-    return mx.where(weights < 2.0 ** (MIN_EXPONENT + 1), 0.0, weights)
+# over two streams (`attention`). Measured on 2 cores: at 0.3M scores a wash (2.5-3.4 ms either
+# way), at 0.85M 0.5 ms saved of 7-9, from 1.2M 10-35% saved.
+SPLIT_SCORES = 1 << 20
 
 
 def _row_max(scores: mx.array) -> mx.array:
@@ -157,13 +77,13 @@ class _Columns:
             return self
         return _Columns(self.keys, self.values, self.mask[..., start:end, :])
 
-    def weights(self, kernels: _Kernels, scores: mx.array, row_max: mx.array) -> mx.array:
+    def weights(self, exp: ExpKernels, scores: mx.array, row_max: mx.array) -> mx.array:
         """exp(scores - row_max), zero where masked out."""
         if self.mask is None:
-            return kernels.plain(scores, row_max)
+            return exp.plain(scores, row_max)
         if self.mask.dtype == mx.bool_:
-            return kernels.kept(scores, row_max, self.mask)
-        return kernels.biased(scores, row_max, self.mask.astype(mx.float32))
+            return exp.kept(scores, row_max, self.mask)
+        return exp.biased(scores, row_max, self.mask.astype(mx.float32))
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,13 +194,13 @@ def _attend_rows(
         columns = [part.rows(start, end, length) for part in columns]
         scores = [part_scores[..., start:end, :] for part_scores in scores]
     batch, kv_heads, repeats = scores[0].shape[:3]
-    kernels = _compiled()
+    exp = kernels()
     with mx.stream(stream) if stream is not None else contextlib.nullcontext():
         row_max = functools.reduce(
             mx.maximum, [part.row_max(s) for part, s in zip(columns, scores, strict=True)]
         )
         weights = [
-            part.weights(kernels, part_scores, row_max)
+            part.weights(exp, part_scores, row_max)
             .reshape(batch, kv_heads, -1, part_scores.shape[-1])
             .astype(dtype)
             for part, part_scores in zip(columns, scores, strict=True)
@@ -298,17 +218,7 @@ def _attend_rows(
     return out.reshape(batch, kv_heads, repeats, end - start, -1)
 
 
-def jit_works() -> bool:
-    """Whether `mx.compile` can build CPU kernels here (it needs a C++ compiler at run time)."""
-    try:
-        mx.eval(mx.compile(_log2_factors)(mx.array([[0.0, -1.0, -2.0]])))
-        return True
-    except Exception as exc:  # any failure means: use MLX's own exp
-        logger.info("mx.compile cannot build CPU kernels here ({}); using mx.exp", exc)
-        return False
-
-
 def describe() -> str:
     """Build the kernels (compiled if the JIT works); say which they are."""
-    kind = "a compiled polynomial" if _compiled().compiled else "MLX's"
+    kind = "a compiled polynomial" if kernels().compiled else "MLX's"
     return f"CPU attention with {kind} exponential"

@@ -2,7 +2,7 @@
 
 MLX's CPU `exp`, and so its sigmoid, costs ~10 ns an element here: in mlx-lm's compiled `swiglu`
 that is 0.9 ms of a SmolLM2 layer's 2.9 ms for a 40-token turn, and ~10 ms a layer for a 512-token
-chunk, a fifth of the prefill. Here the sigmoid takes its exponential from `cpu_attention`'s
+chunk, a fifth of the prefill. Here the sigmoid takes its exponential from `cpu_exp`'s
 polynomial (relative error < 3e-7) on a non-positive argument, exp(-|gate|), so nothing overflows:
 
     sigmoid(g) = 1 / (1 + e)  for g >= 0,   e / (1 + e)  for g < 0,   where e = exp(-|g|).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from semantic.engine.cpu_attention import LOG2_E, exp2_factors, jit_works
+from semantic.engine.cpu_exp import LOG2_E, exp2_factors, jit_works
 from semantic.engine.shape_bound_compile import ShapeBoundCompile
 
 
@@ -29,7 +29,7 @@ def _swiglu_of(gate: mx.array, x: mx.array, e: mx.array) -> mx.array:
 
 
 class _Kernels:
-    """Two loops where the JIT works (exp(-|gate|)'s factors, then the rest: `cpu_attention` says why
+    """Two loops where the JIT works (exp(-|gate|)'s factors, then the rest: `cpu_exp` says why
     the bit-cast between them stays outside), MLX's ops otherwise."""
 
     def __init__(self, compiled: bool) -> None:

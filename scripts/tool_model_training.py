@@ -7,7 +7,7 @@ all of it the forward pass through frozen layers and MLX's scalar CPU softmax. S
   are frozen, so their output for each example is computed once, not on every step, and examples
   that open with the same tokens (every request of one Claude Code agent does) share that work
   through a KV cache: the common head runs once, each example only its own tail.
-- Attention in the trained layers uses `engine/cpu_attention`'s polynomial softmax, wrapped in a
+- Attention in the trained layers uses `engine/cpu_exp`'s polynomial softmax, wrapped in a
   `mx.custom_function` with the softmax's own gradient.
 - The loss is on the reply tokens only, so only their positions go through the output head.
 """
@@ -25,14 +25,14 @@ import mlx.optimizers as optim
 from mlx_lm.models.cache import KVCache
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from semantic.engine import cpu_attention, cpu_kernels
+from semantic.engine import cpu_exp, cpu_kernels
 
 Example = tuple[list[int], int]  # token ids of prompt plus reply, where the reply starts
 
 
 @mx.custom_function
 def _softmax(scores: mx.array) -> mx.array:
-    return cpu_attention.softmax(scores)
+    return cpu_exp.softmax(scores)
 
 
 @_softmax.vjp
