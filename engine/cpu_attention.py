@@ -166,7 +166,7 @@ def attention(
         (folded @ part.keys.swapaxes(-1, -2)).astype(mx.float32).reshape(batch, kv_heads, repeats, length, -1)
         for part in columns
     ]
-    if second_stream is None or length < 2 or batch * heads * length * keys.shape[2] < SPLIT_SCORES:
+    if second_stream is None or not worth_splitting(queries, keys):
         out = _attend_rows(columns, scores, 0, length, values.dtype, None)
     else:
         half = length // 2
@@ -175,6 +175,12 @@ def attention(
             [first, _attend_rows(columns, scores, half, length, values.dtype, second_stream)], -2
         )
     return out.reshape(batch, heads, length, values.shape[-1])
+
+
+def worth_splitting(queries: mx.array, keys: mx.array) -> bool:
+    """Whether a call has scores enough (`SPLIT_SCORES`) for its elementwise work to be split."""
+    batch, heads, length, _ = queries.shape
+    return length >= 2 and batch * heads * length * keys.shape[2] >= SPLIT_SCORES
 
 
 def _attend_rows(

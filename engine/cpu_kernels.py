@@ -52,12 +52,12 @@ def _on_engine_thread() -> bool:
 
 
 def _second_cpu_stream() -> mx.Stream | None:
-    """A second CPU stream for the engine thread, made on first use. MLX runs each stream's ops one
-    at a time on a thread of its own, and an elementwise op on one core, so work split over two
-    streams takes both cores (BLAS calls stay on one stream: their own threads already take both).
-    Only attention's weights are made there, used up within the layer: a returning turn's values
-    gathered there from the pool (arrays the batch then updates in place) made its first token
-    slower through the server, 0.33-0.39 s instead of 0.25-0.31 at a 40K history.
+    """A second CPU stream for the engine thread, made by the first attention big enough to split.
+    MLX runs each stream's ops one at a time on a thread of its own, and an elementwise op on one
+    core, so work split over two streams takes both cores (BLAS calls stay on one stream: their own
+    threads already take both). Only attention's weights are made there, used up within the layer:
+    a returning turn's values gathered there from the pool (arrays the batch then updates in place)
+    made its first token slower through the server, 0.33-0.39 s instead of 0.25-0.31 at a 40K history.
     None off the engine thread, where the model is not on the CPU, or with one core."""
     if not _on_engine_thread() or mx.default_device() != mx.cpu or (os.cpu_count() or 1) < 2:
         return None
@@ -118,7 +118,8 @@ def _attention_hook(original: Callable[..., mx.array], cpu_kernels: bool) -> Cal
             if not (cpu_kernels and _on_engine_thread()) or sinks is not None or hasattr(cache, "bits"):
                 return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
             mask = _known_mask(mask, queries.shape[2], keys.shape[2])
-            return cpu_attention.attention(queries, keys, values, scale, mask, _second_cpu_stream())
+            second = _second_cpu_stream() if cpu_attention.worth_splitting(queries, keys) else None
+            return cpu_attention.attention(queries, keys, values, scale, mask, second)
 
         if isinstance(cache, PackedLayerCache):
             return packed_attention(queries, keys, values, cache, scale, attend)
