@@ -40,7 +40,7 @@ from semantic.engine.cpu_exp import ExpKernels, kernels
 
 MAX_BLOCK = 64  # row maxima are taken over blocks of this many columns first (`_row_max`)
 # From this many scores in one call (batch x heads x queries x keys) the elementwise work is split
-# over two streams (`attention`). Measured on 2 cores: at 0.3M scores a wash (2.5-3.4 ms either
+# over two streams (`worth_splitting`). Measured on 2 cores: at 0.3M scores a wash (2.5-3.4 ms either
 # way), at 0.85M 0.5 ms saved of 7-9, from 1.2M 10-35% saved.
 SPLIT_SCORES = 1 << 20
 
@@ -154,8 +154,9 @@ def attention(
     second_stream: mx.Stream | None = None,
 ) -> mx.array:
     """Scaled dot-product attention with mlx's semantics ("causal" is bottom-right aligned). Given
-    a `second_stream` and enough scores, the second half of the query positions has its row maxima
-    and weights computed there, beside the first half's on the calling stream (`_attend_rows`)."""
+    a `second_stream` (the caller's choice: `worth_splitting` says when it pays), the second half of
+    the query positions has its row maxima and weights computed there, beside the first half's on
+    the calling stream (`_attend_rows`)."""
     batch, heads, length, dims = queries.shape
     kv_heads = keys.shape[1]
     repeats = heads // kv_heads
@@ -166,7 +167,7 @@ def attention(
         (folded @ part.keys.swapaxes(-1, -2)).astype(mx.float32).reshape(batch, kv_heads, repeats, length, -1)
         for part in columns
     ]
-    if second_stream is None or not worth_splitting(queries, keys):
+    if second_stream is None or length < 2:
         out = _attend_rows(columns, scores, 0, length, values.dtype, None)
     else:
         half = length // 2

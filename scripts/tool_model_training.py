@@ -128,9 +128,9 @@ def train_top_layers(
     steps: int,
     learning_rate: float,
     seed: int,
-) -> list[float]:
+) -> None:
     """Put a LoRA (mlx-lm's, `lora_parameters` as its config has them: rank, scale, dropout) on the
-    top `trained` layers of `model` and train it on the examples' replies. Returns each step's loss."""
+    top `trained` layers of `model` and train it on the examples' replies."""
     first_trained = len(model.model.layers) - trained
     started = time.monotonic()
     states = frozen_states(model, examples, first_trained)
@@ -169,4 +169,3 @@ def train_top_layers(
     finally:
         for name, function in saved.items():
             sys.modules[name].scaled_dot_product_attention = function  # type: ignore[attr-defined]
-    return losses

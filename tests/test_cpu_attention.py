@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import mlx.core as mx
 import numpy as np
@@ -85,8 +84,7 @@ def test_attention_split_over_two_streams_gives_the_same_bits(
     queries, keys, values, mask = inputs
     scale = queries.shape[-1] ** -0.5
     alone = cpu_attention.attention(queries, keys, values, scale, mask)  # type: ignore[arg-type]
-    with mock.patch.object(cpu_attention, "SPLIT_SCORES", 0):  # split even these small ones
-        split = cpu_attention.attention(queries, keys, values, scale, mask, SECOND_STREAM)  # type: ignore[arg-type]
+    split = cpu_attention.attention(queries, keys, values, scale, mask, SECOND_STREAM)  # type: ignore[arg-type]
     np.testing.assert_allclose(np.array(split), np.array(alone), rtol=1e-6, atol=1e-6)
 
 
