@@ -37,7 +37,10 @@ def outbox(loop: asyncio.AbstractEventLoop) -> Outbox:
 def runtime(default_model_dir: Path, outbox: Outbox) -> Runtime:
     if mx.default_device() != mx.cpu:
         pytest.skip("the first token is taken early only where MLX runs the step before `next()` returns")
-    config = EngineConfig(model=str(default_model_dir), cache_budget_mb=256)
+    # Chunks of 128 tokens (short turns up to 256): a prompt needs only a few hundred tokens to be
+    # cut into chunks, set aside or overtaken, which keeps these tests' prefills and their mlx-lm
+    # references short. The code paths are the ones the CPU's default 512 takes.
+    config = EngineConfig(model=str(default_model_dir), cache_budget_mb=256, prefill_step_size=128)
     return Runtime.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox)
 
 

@@ -87,8 +87,8 @@ def test_a_short_turn_goes_in_whole_while_a_stream_decodes_and_a_long_prompt_in_
                 return steps
         raise AssertionError("no first token")
 
-    short = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 60)
-    long = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 250)
+    short = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 9)
+    long = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 60)
     chunk = budget.max_tokens
     assert len(short) <= chunk and budget.short_turn_tokens < len(long)
     # One step prefills it whole and (folded) samples, or the next one samples.
@@ -97,7 +97,7 @@ def test_a_short_turn_goes_in_whole_while_a_stream_decodes_and_a_long_prompt_in_
     assert len(budget.chunks) == 1  # one stall, however long
     del budget.chunks[:]
     assert steps_to_first_token(long) > 2 * math.ceil(len(long) / chunk)  # small chunks
-    # A whole chunk would stall the stream for ten decode steps; each chunk kept it near one.
+    # A whole chunk would stall the stream for 2.5 decode steps (ModelledBudget); each kept it near one.
     allowed = budget.stall_ratio * ModelledBudget.DECODE_S / ModelledBudget.TOKEN_S
     assert budget.chunks and max(budget.chunks) <= 1.5 * allowed
     runtime.batch.cancel(runner.request.request_id)

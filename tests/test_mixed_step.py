@@ -57,7 +57,7 @@ def test_a_prompt_prefilled_beside_a_decoding_stream_gives_mlx_lm_s_tokens(
     batch = runtime.batch
     generator = batch._generator
     streaming = chat(runtime, f"{uuid.uuid4().hex} Write a short poem about the sea.")
-    cold = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise these notes for me. " * 170)
+    cold = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise these notes for me. " * 40)
     chunk = 64
     assert len(cold) > batch.prefill_budget.short_turn_tokens  # not a short turn: cut into the test's chunks
     stream = submit(runtime, loop, streaming, 24)

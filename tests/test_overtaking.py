@@ -95,7 +95,7 @@ def test_a_short_turn_overtakes_a_long_prefill_which_then_carries_on_from_its_ca
 ) -> None:
     config = runtime_config(runtime)
     chunk = config.num_tokens_per_prefill_step
-    long = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 300)
+    long = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 70)
     short = chat(runtime, f"{uuid.uuid4().hex} Name three colours.")
     assert len(long) > chunk + config.num_short_turn_tokens and len(short) <= chunk
     driver = Driver(runtime, outbox, loop, config)
@@ -135,7 +135,7 @@ def test_a_long_prefill_that_has_waited_too_long_is_not_overtaken(
     runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop
 ) -> None:
     config = runtime_config(runtime)
-    long = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 300)
+    long = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 70)
     short = chat(runtime, f"{uuid.uuid4().hex} Name three colours.")
     driver = Driver(runtime, outbox, loop, config)
     now = time.monotonic()
