@@ -26,7 +26,7 @@ from semantic.engine.prefill_budget import (
 from semantic.engine.sampling import SamplingParams
 from tests.modelled_budget import modelled_budget_in
 
-MAX_CHUNK = 512
+MAX_CHUNK = 256
 SHORT_TURN = 2 * MAX_CHUNK  # a prompt with at most this many uncached tokens goes in whole chunks
 LONG_PROMPT = 4 * MAX_CHUNK  # a cold history: chunked under the budget
 ticks = st.lists(
@@ -197,7 +197,7 @@ def test_prompts_that_are_all_short_turns_go_in_whole_chunks_and_no_chunk_shrink
 
 @given(st.integers(min_value=1, max_value=8 * MAX_CHUNK))
 def test_a_short_turn_longer_than_a_chunk_is_cut_into_chunks_of_one_size(num_tokens: int) -> None:
-    """520 tokens go as 260 and 260, not as 512 and 8: the same number of ticks, and the longest
+    """260 tokens go as 130 and 130, not as 256 and 4: the same number of ticks, and the longest
     stall a running stream sees is half as long."""
     budget = PrefillBudget(MAX_CHUNK, 1.0, 8 * MAX_CHUNK)
     chunk = budget.short_turn_chunk(num_tokens)
@@ -248,7 +248,7 @@ def chat(engine: Engine, text: str) -> list[int]:
 async def test_a_running_stream_keeps_decoding_while_a_long_prompt_prefills(engine: Engine) -> None:
     # Raw text, no chat template: the model goes on counting without ending its turn.
     counting = list(engine.model.tokenizer.encode(", ".join(str(i) for i in range(1, 21)) + ","))
-    long_prompt = chat(engine, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 250)
+    long_prompt = chat(engine, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 120)
     assert len(long_prompt) > SHORT_TURN  # a cold history, not a short turn
     # The engine is idle: its budget is swapped between ticks for one told fixed step times, so the
     # chunks follow the tokens, not how busy the machine is.
@@ -283,7 +283,7 @@ async def _keeps_decoding(engine: Engine, counting: list[int], long_prompt: list
             assert arrival_decoding, f"the runner ended after {runner_tokens} tokens, before the prefill did"
     await follower
     # The runner, decoding all along, gets one token per tick, and each tick prefills one chunk: whole
-    # 512-token chunks would give it one token per 512 prompt tokens; the budget gives it many. The
+    # 256-token chunks would give it one token per 256 prompt tokens; the budget gives it many. The
     # chunks are counted from the arrival's own progress events, which the engine posts in tick
     # order; comparing the two channels' events at the client would depend on how a busy event loop
     # interleaves their readers.
@@ -294,7 +294,7 @@ async def _keeps_decoding(engine: Engine, counting: list[int], long_prompt: list
 
 
 @pytest.mark.asyncio(loop_scope="module")
-@pytest.mark.parametrize("repeats", [70, 130])  # one chunk; between one and two (a tool result)
+@pytest.mark.parametrize("repeats", [25, 60])  # one chunk; between one and two (a tool result)
 async def test_a_short_turn_arriving_while_a_stream_decodes_goes_in_whole_chunks(
     engine: Engine, repeats: int
 ) -> None:
