@@ -13,6 +13,7 @@ import asyncio
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -23,7 +24,13 @@ from semantic.engine import cpu_attention, cpu_kernels, mlx_seams
 from semantic.engine.batch_joins import JoiningBatchKVCache
 from semantic.engine.last_token_fold import forked_sources_match, last_position_head
 from semantic.engine.messages import Finished, PromptProgress, TokenDelta
-from semantic.engine.mixed_step import PackedLayerCache, _batch_caches, chunk_mask, mixed_forward_for
+from semantic.engine.mixed_step import (
+    MixedForward,
+    PackedLayerCache,
+    _batch_caches,
+    chunk_mask,
+    mixed_forward_for,
+)
 from semantic.engine.mixing_generator import MixingBatchGenerator
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
@@ -143,6 +150,22 @@ def test_other_architectures_pack_where_their_layers_allow(tiny_model_dirs: dict
     gemma3, _ = load(str(tiny_model_dirs["gemma3"]))  # sliding-window layers keep rotating caches
     cpu_kernels.install_kernel_hooks()
     assert mixed_forward_for(gemma3, last_position_head(gemma3)) is None
+
+
+def test_the_load_probe_turns_packing_down_when_it_changes_the_results(
+    tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    qwen2, _ = load(str(tiny_model_dirs["qwen2"]))
+    cpu_kernels.install_kernel_hooks()
+    assert mixed_forward_for(qwen2, last_position_head(qwen2)) is not None
+    packed = MixedForward.__call__
+
+    def off_by_a_little(self: MixedForward, *args: Any) -> tuple[mx.array, mx.array | None]:
+        decode_logits, last_logits = packed(self, *args)
+        return decode_logits + 1e-2, last_logits
+
+    monkeypatch.setattr(MixedForward, "__call__", off_by_a_little)
+    assert mixed_forward_for(qwen2, last_position_head(qwen2)) is None
 
 
 def test_a_packed_layer_cache_splits_rows_between_the_two_caches() -> None:
