@@ -71,8 +71,10 @@ def test_claude_code_completes_turns_and_reuses_the_cache(
     # A turn with a tool available: Claude Code sends its tool schemas; the server renders them
     # through the chat template and answers (whether the 135M model calls the tool is up to it).
     (tmp_path / "notes.txt").write_text("The secret word is apricot.\n")
+    # Replies cut at 8 tokens: the CLI asks to go on after each cut (four requests in all), and any
+    # longer only costs time on two CPU cores.
     third = claude(
-        server, tmp_path, "--tools=Read", "--allowedTools=Read", "Read notes.txt", check=False, max_output=32
+        server, tmp_path, "--tools=Read", "--allowedTools=Read", "Read notes.txt", check=False, max_output=8
     )
     assert third["type"] == "result" and third["usage"]["input_tokens"] > 0
     assert "API Error: 4" not in third["result"] and "API Error: 5" not in third["result"]
