@@ -65,7 +65,7 @@ def test_a_delete_during_a_running_turn_is_final(  # type: ignore[no-untyped-def
     events: list[bytes] = []
 
     def run_turn() -> None:
-        body = json.dumps({"content": "Tell me a long story.", "max_tokens": 64, "stream": True}).encode()
+        body = json.dumps({"content": "Tell me a long story.", "max_tokens": 24, "stream": True}).encode()
         connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
         connection.request("POST", "/v1/agents/doomed/messages", body, {"content-type": "application/json"})
         reply = connection.getresponse()
