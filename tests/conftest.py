@@ -38,13 +38,14 @@ def server_factory(tmp_path: Path) -> Iterator[type[ServerProcess]]:
             server.proc.wait()
 
 
-@pytest.fixture(scope="module")
-def module_server(
+@pytest.fixture(scope="session")
+def shared_server(
     default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """One default-model server for a module's tests, which leave it as they would find it."""
+    """One default-model server for the tests that need nothing else and leave it as they would find
+    it (each start costs seconds: imports, the model, the load probes)."""
     process = ServerProcess(
-        tmp_path_factory.mktemp("cache"), "--model", str(default_model_dir), "--cache-budget-mb", "512"
+        tmp_path_factory.mktemp("shared"), "--model", str(default_model_dir), "--cache-budget-mb", "512"
     ).start()
     yield process
     process.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -21,13 +20,9 @@ WEATHER = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path):  # type: ignore[no-untyped-def]
-    from tests.server_process import ServerProcess
-
-    process = ServerProcess(tmp_path_factory.mktemp("cache"), "--model", str(default_model_dir)).start()
-    yield process
-    process.stop()
+@pytest.fixture
+def server(shared_server):  # type: ignore[no-untyped-def]
+    return shared_server
 
 
 def client_for(server) -> anthropic.Anthropic:  # type: ignore[no-untyped-def]

@@ -22,8 +22,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture
-def server(server_factory, default_model_dir: Path):  # type: ignore[no-untyped-def]
-    return server_factory("--model", str(default_model_dir), "--cache-budget-mb", "512").start()
+def server(shared_server):  # type: ignore[no-untyped-def]
+    return shared_server
 
 
 def client_for(server) -> openai.OpenAI:  # type: ignore[no-untyped-def]

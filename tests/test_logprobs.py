@@ -16,8 +16,8 @@ NUM_TOKENS = 6
 
 
 @pytest.fixture
-def server(module_server):  # type: ignore[no-untyped-def]
-    return module_server
+def server(shared_server):  # type: ignore[no-untyped-def]
+    return shared_server
 
 
 def client_for(server) -> openai.OpenAI:  # type: ignore[no-untyped-def]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -98,13 +97,9 @@ WEATHER = {
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path):  # type: ignore[no-untyped-def]
-    from tests.server_process import ServerProcess
-
-    process = ServerProcess(tmp_path_factory.mktemp("cache"), "--model", str(default_model_dir)).start()
-    yield process
-    process.stop()
+@pytest.fixture
+def server(shared_server):  # type: ignore[no-untyped-def]
+    return shared_server
 
 
 def _cases() -> list[tuple[dict[str, Any], str]]:
