@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 DAYS = [{"role": "user", "content": "List the days of the week."}]
-NUM_TOKENS = 24
+NUM_TOKENS = 16
 
 
 @pytest.fixture
