@@ -42,10 +42,8 @@ def test_an_acknowledged_turn_survives_kill_9_right_after_it(  # type: ignore[no
     assert status == 200 and reply["usage"]["prompt_tokens"] > 3 * 10  # the whole history is there
 
 
-def test_ids_that_would_leave_the_cache_folder_are_refused(  # type: ignore[no-untyped-def]
-    server_factory, default_model_dir: Path, tmp_path: Path
-) -> None:
-    server: ServerProcess = server_factory("--model", str(default_model_dir)).start()
+def test_ids_that_would_leave_the_cache_folder_are_refused(shared_server: ServerProcess) -> None:
+    server = shared_server
     victim = server.cache_dir.parent / "x.safetensors"
     victim.write_bytes(b"not yours to delete")
     for path in ("/v1/agents/..%2F..%2Fx", "/v1/agents/..%2Fx", "/v1/agents/.x"):
@@ -56,10 +54,8 @@ def test_ids_that_would_leave_the_cache_folder_are_refused(  # type: ignore[no-u
     assert victim.read_bytes() == b"not yours to delete"
 
 
-def test_a_delete_during_a_running_turn_is_final(  # type: ignore[no-untyped-def]
-    server_factory, default_model_dir: Path
-) -> None:
-    server: ServerProcess = server_factory("--model", str(default_model_dir)).start()
+def test_a_delete_during_a_running_turn_is_final(shared_server: ServerProcess) -> None:
+    server = shared_server
     assert call(server, "POST", "/v1/agents", {"id": "doomed"})[0] == 201
     started = threading.Event()
     events: list[bytes] = []

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -86,11 +84,9 @@ def bodies(path: str) -> st.SearchStrategy[dict[str, Any]]:
     return overrides.map(lambda fields: {**base, **fields})
 
 
-@pytest.fixture(scope="module")
-def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    process = ServerProcess(tmp_path_factory.mktemp("fuzz"), "--model", str(default_model_dir)).start()
-    yield process
-    process.stop()
+@pytest.fixture
+def server(shared_server: ServerProcess) -> ServerProcess:
+    return shared_server
 
 
 def send(server: ServerProcess, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
