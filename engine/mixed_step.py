@@ -153,7 +153,7 @@ def _probe(model: Any, mixed: MixedForward) -> bool:
     if not all(type(c) is BatchKVCache for c in [*decode, *prompt]):
         return False  # rotating (sliding-window) or state-space layers: not packed
     # The same histories for mlx-lm's passes, copied rather than run again: each forward pass of a
-    # 135M model reads all its weights (~0.1 s on 2 CPU cores), and the probe runs at every load.
+    # 135M model reads all its weights (50-110 ms on 2 CPU cores), and the probe runs at every load.
     reference_decode, reference_prompt = copy.deepcopy(decode), copy.deepcopy(prompt)
     decode_logits, last_logits = mixed(mx.array(PROBE_DECODE_TOKENS), decode, PROBE_CHUNK, prompt, True)
     decode_expected = model(mx.array(PROBE_DECODE_TOKENS)[:, None], cache=reference_decode)
