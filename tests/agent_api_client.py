@@ -46,8 +46,27 @@ def conversation_tokens(cache_dir: Path, agent_id: str, num_turns: int) -> list[
 
 
 def cold_continuation(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
-    """What a freshly loaded model generates greedily for `prompt`, end-of-turn tokens dropped."""
-    cold_model, tokenizer = load(str(model_dir))
+    """What a model loaded in this process (no server's cache) generates greedily for `prompt`,
+    end-of-turn tokens dropped."""
+    cold_model, tokenizer = _loaded(model_dir)
     eos = set(tokenizer.eos_token_ids)
     steps = stream_generate(cold_model, tokenizer, prompt, max_tokens=max_tokens)
     return [step.token for step in steps if step.token not in eos]
+
+
+def _loaded(model_dir: Path) -> tuple[Any, Any]:
+    """mlx-lm's load of `model_dir`, kept while its files are unchanged: tests ask for the same few
+    models many times, and a model holds no state between generations."""
+    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(model_dir.iterdir()))
+    key = str(model_dir.resolve())
+    if _LOADED.get(key, (None,))[0] != stamp:
+        _LOADED.pop(key, None)
+        while len(_LOADED) >= KEEP_LOADED:
+            _LOADED.pop(next(iter(_LOADED)))
+        _LOADED[key] = (stamp, *load(key))
+    _, model, tokenizer = _LOADED[key]
+    return model, tokenizer
+
+
+KEEP_LOADED = 2  # models kept loaded, the least recently loaded dropped first
+_LOADED: dict[str, tuple[Any, Any, Any]] = {}

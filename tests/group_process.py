@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.server_process import ROOT, free_port
+from tests.server_process import READY_POLL_S, ROOT, free_port
 
 
 class GroupProcesses:
@@ -58,7 +58,7 @@ class GroupProcesses:
                         return self
             except (urllib.error.URLError, OSError):
                 pass
-            time.sleep(0.3)
+            time.sleep(READY_POLL_S)
         self.kill()
         raise TimeoutError(f"the group did not become ready: {self.log(0)[-3000:]}")
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.agent_api_client import call, cold_continuation, conversation_tokens
+from tests.server_process import ServerProcess
 
 
 @pytest.mark.parametrize("model", ["default", "gemma3"])
@@ -51,17 +52,19 @@ def test_kept_conversation_resumes_token_exactly_after_a_restart(  # type: ignor
     restarted.stop()
 
 
-def test_agent_lifecycle_and_errors(server_factory, default_model_dir: Path) -> None:  # type: ignore[no-untyped-def]
-    server = server_factory("--model", str(default_model_dir), "--cache-budget-mb", "256").start()
+def test_agent_lifecycle_and_errors(shared_server: ServerProcess) -> None:
+    server = shared_server
     assert call(server, "POST", "/v1/agents", {"id": "../x"})[0] == 400
     status, created = call(server, "POST", "/v1/agents", {})
     assert status == 201 and created["id"].startswith("agent-")
     assert call(server, "POST", "/v1/agents", {"id": created["id"]})[0] == 409
     # A system prompt that could never fit the context is refused before anything is written.
-    status, body = call(server, "POST", "/v1/agents", {"id": "verbose", "system": "word " * 2_000_000})
+    status, body = call(
+        server, "POST", "/v1/agents", {"id": "lifecycle-verbose", "system": "word " * 2_000_000}
+    )
     assert status == 400 and "tokens" in body["error"]["message"], body
-    assert call(server, "GET", "/v1/agents/verbose")[0] == 404
-    assert not list(server.cache_dir.glob("agents/*/verbose.*"))
+    assert call(server, "GET", "/v1/agents/lifecycle-verbose")[0] == 404
+    assert not list(server.cache_dir.glob("agents/*/lifecycle-verbose.*"))
     status, body = call(server, "POST", f"/v1/agents/{created['id']}/messages", {})
     assert status == 400 and "content" in body["error"]["message"]
     status, body = call(server, "POST", f"/v1/agents/{created['id']}/messages", {"content": "x", "top_p": 2})
@@ -70,7 +73,7 @@ def test_agent_lifecycle_and_errors(server_factory, default_model_dir: Path) -> 
     status, streamed = call(
         server,
         "POST",
-        "/v1/agents/sse/messages",
+        "/v1/agents/lifecycle-sse/messages",
         {"content": "What is 2+2?", "stream": True, "max_tokens": 8},
     )
     events = [block.split("\n")[0].removeprefix("event: ") for block in streamed.strip().split("\n\n")]
@@ -78,14 +81,14 @@ def test_agent_lifecycle_and_errors(server_factory, default_model_dir: Path) -> 
     done = json.loads(streamed.strip().split("\n\n")[-1].split("data: ", 1)[1])
     assert done["finish_reason"] in {"stop", "length"} and done["usage"]["completion_tokens"] > 0
 
-    status, info = call(server, "GET", "/v1/agents/sse")
+    status, info = call(server, "GET", "/v1/agents/lifecycle-sse")
     assert status == 200 and info["tier"] == "memory" and info["cached_tokens"] > 0
-    assert call(server, "POST", "/v1/agents/sse/evict")[1]["evicted"] is True
-    assert call(server, "GET", "/v1/agents/sse")[1]["tier"] == "disk"
-    assert call(server, "DELETE", "/v1/agents/sse")[0] == 200
-    assert call(server, "GET", "/v1/agents/sse")[0] == 404
-    assert call(server, "DELETE", "/v1/agents/sse")[0] == 404
-    assert not list(server.cache_dir.glob("agents/*/sse.*"))
+    assert call(server, "POST", "/v1/agents/lifecycle-sse/evict")[1]["evicted"] is True
+    assert call(server, "GET", "/v1/agents/lifecycle-sse")[1]["tier"] == "disk"
+    assert call(server, "DELETE", "/v1/agents/lifecycle-sse")[0] == 200
+    assert call(server, "GET", "/v1/agents/lifecycle-sse")[0] == 404
+    assert call(server, "DELETE", "/v1/agents/lifecycle-sse")[0] == 404
+    assert not list(server.cache_dir.glob("agents/*/lifecycle-sse.*"))
 
 
 def test_creating_an_agent_takes_a_token_from_the_servers_rate_limit(

@@ -27,7 +27,7 @@ def test_an_acknowledged_turn_survives_kill_9_right_after_it(  # type: ignore[no
     args = ("--model", str(default_model_dir), "--cache-budget-mb", "256")
     server: ServerProcess = server_factory(*args).start()
     assert call(server, "POST", "/v1/agents", {"id": "keeper", "system": "You are terse."})[0] == 201
-    for turn in range(3):
+    for turn in range(2):  # a turn before the first kill, and one after a restart from it
         status, reply = call(
             server, "POST", "/v1/agents/keeper/messages", {"content": f"Turn {turn}.", **GREEDY}
         )
@@ -38,8 +38,13 @@ def test_an_acknowledged_turn_survives_kill_9_right_after_it(  # type: ignore[no
         record = conversation_record(server.cache_dir, "keeper")
         assert record is not None and record["num_turns"] == turn + 1
         server = server_factory(*args, cache_dir=server.cache_dir).start()
+    kept = conversation_record(server.cache_dir, "keeper")
     status, reply = call(server, "POST", "/v1/agents/keeper/messages", {"content": "Last.", **GREEDY})
-    assert status == 200 and reply["usage"]["prompt_tokens"] > 3 * 10  # the whole history is there
+    assert status == 200, reply
+    after = conversation_record(server.cache_dir, "keeper")
+    assert kept is not None and after is not None and after["num_turns"] == 3
+    prompt = after["token_ids"][: reply["usage"]["prompt_tokens"]]
+    assert prompt[: len(kept["token_ids"])] == kept["token_ids"]  # the whole history is there
 
 
 def test_ids_that_would_leave_the_cache_folder_are_refused(shared_server: ServerProcess) -> None:

@@ -130,7 +130,7 @@ async def test_client_disconnects_free_batch_slots_and_blocks(
                             return  # closes the connection mid-stream
 
         async with aiohttp.ClientSession() as session:
-            for _ in range(4):  # 40 disconnects, 10 at a time: more than the batch's 16 slots
+            for _ in range(2):  # 20 disconnects, 10 at a time: more than the batch's 16 slots
                 await asyncio.gather(*(disconnect_mid_stream(session) for _ in range(10)))
 
         async def all_freed() -> bool:

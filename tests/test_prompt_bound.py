@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from tests.agent_api_client import call
+from tests.server_process import ServerProcess
 
 FAR_OVER = "hello world " * 350_000  # 4.2 MB: at least 25,925 tokens by its length
 BY_LENGTH = "counted from its length, before tokenizing"
@@ -15,10 +16,8 @@ BY_LENGTH = "counted from its length, before tokenizing"
 JUST_UNDER = ("\n" + " " * 80) * 16_000
 
 
-def test_a_prompt_far_over_the_context_is_refused_by_its_length(  # type: ignore[no-untyped-def]
-    server_factory, default_model_dir: Path
-) -> None:
-    server = server_factory("--model", str(default_model_dir), "--cache-budget-mb", "256").start()
+def test_a_prompt_far_over_the_context_is_refused_by_its_length(shared_server: ServerProcess) -> None:
+    server = shared_server
     openai_body = {"max_tokens": 4, "messages": [{"role": "user", "content": FAR_OVER}]}
     status, reply = call(server, "POST", "/v1/chat/completions", openai_body)
     message = reply["error"]["message"]
@@ -35,13 +34,13 @@ def test_a_prompt_far_over_the_context_is_refused_by_its_length(  # type: ignore
 
     # The direct API: the kept history counts as tokens, the new text by its length; a refused turn
     # leaves the conversation as it was.
-    assert call(server, "POST", "/v1/agents", {"id": "ada"})[0] == 201
+    assert call(server, "POST", "/v1/agents", {"id": "bound-ada"})[0] == 201
     turn = {"content": "Hi, I am Ada.", "max_tokens": 4, "temperature": 0}
-    status, first = call(server, "POST", "/v1/agents/ada/messages", turn)
+    status, first = call(server, "POST", "/v1/agents/bound-ada/messages", turn)
     assert status == 200, first
-    status, reply = call(server, "POST", "/v1/agents/ada/messages", {**turn, "content": FAR_OVER})
+    status, reply = call(server, "POST", "/v1/agents/bound-ada/messages", {**turn, "content": FAR_OVER})
     assert status == 400 and BY_LENGTH in reply["error"]["message"], reply
-    status, third = call(server, "POST", "/v1/agents/ada/messages", turn)
+    status, third = call(server, "POST", "/v1/agents/bound-ada/messages", turn)
     assert status == 200 and third["usage"]["cached_tokens"] > 0, third
 
     # Below the bound the prompt is tokenized and counted exactly, also when it is over the limit.
@@ -53,7 +52,6 @@ def test_a_prompt_far_over_the_context_is_refused_by_its_length(  # type: ignore
     accepted = {**openai_body, "messages": [{"role": "user", "content": JUST_UNDER[: 81 * 60]}]}
     status, reply = call(server, "POST", "/v1/chat/completions", accepted)
     assert status == 200, reply
-    server.stop()
 
 
 def test_the_server_limit_is_checked_by_length_too(server_factory, default_model_dir: Path) -> None:  # type: ignore[no-untyped-def]
