@@ -77,6 +77,7 @@ TOPICS = [
     "a weaver", "a barber",
 ]  # fmt: skip
 NUM_REPLIES = int(os.environ.get("STRUCTURED_OUTPUT_REPLIES", "6"))
+TEMPERATURES = (0.0, 0.8)  # greedy and sampled
 # The cap is room, not something under test: a schema's grammar ends each reply, and a sampled one
 # may wander into rare multi-byte text, a few tokens a character, before it does. The longest of
 # 190 sampled STEPS replies took 186 tokens; one in CI was cut at 200 inside its third step's
@@ -102,26 +103,27 @@ def server(shared_server):  # type: ignore[no-untyped-def]
     return shared_server
 
 
-def _cases() -> list[tuple[dict[str, Any], str]]:
+def _cases() -> list[tuple[dict[str, Any], str, float]]:
+    """Each prompt greedy and sampled: all of them are asked at once, so they decode as one batch."""
     cases = []
-    for index in range(NUM_REPLIES):
-        schema = SCHEMAS[index % len(SCHEMAS)]
-        topic = TOPICS[index % len(TOPICS)]
-        cases.append((schema, f"Describe {topic} (case {index}) as JSON."))
+    for temperature in TEMPERATURES:
+        for index in range(NUM_REPLIES):
+            schema = SCHEMAS[index % len(SCHEMAS)]
+            topic = TOPICS[index % len(TOPICS)]
+            cases.append((schema, f"Describe {topic} (case {index}) as JSON.", temperature))
     return cases
 
 
 def _all(fn: Any, cases: list[Any]) -> list[Any]:
-    with ThreadPoolExecutor(8) as pool:
+    with ThreadPoolExecutor(min(len(cases), 16)) as pool:  # the server's default batch
         return list(pool.map(fn, cases))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-def test_openai_json_schema_replies_validate(server, temperature: float) -> None:  # type: ignore[no-untyped-def]
+def test_openai_json_schema_replies_validate(server) -> None:  # type: ignore[no-untyped-def]
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
-    def ask(case: tuple[dict[str, Any], str]) -> tuple[dict[str, Any], str, str | None]:
-        schema, prompt = case
+    def ask(case: tuple[dict[str, Any], str, float]) -> tuple[dict[str, Any], str, str | None]:
+        schema, prompt, temperature = case
         reply = client.chat.completions.create(
             model="default",
             messages=[{"role": "user", "content": prompt}],
@@ -140,12 +142,11 @@ def test_openai_json_schema_replies_validate(server, temperature: float) -> None
         jsonschema.validate(json.loads(text), schema)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
-def test_anthropic_output_config_replies_validate(server, temperature: float) -> None:  # type: ignore[no-untyped-def]
+def test_anthropic_output_config_replies_validate(server) -> None:  # type: ignore[no-untyped-def]
     client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
 
-    def ask(case: tuple[dict[str, Any], str]) -> tuple[dict[str, Any], str, str | None]:
-        schema, prompt = case
+    def ask(case: tuple[dict[str, Any], str, float]) -> tuple[dict[str, Any], str, str | None]:
+        schema, prompt, temperature = case
         reply = client.messages.create(
             model="default",
             messages=[{"role": "user", "content": prompt}],
@@ -182,7 +183,7 @@ def test_json_object_and_the_beta_output_format(server) -> None:  # type: ignore
     jsonschema.validate(json.loads(text), REVIEW)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("temperature", TEMPERATURES, ids=["greedy", "sampled"])
 def test_forced_tool_call_input_validates(server, temperature: float) -> None:  # type: ignore[no-untyped-def]
     client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
     tools = [
