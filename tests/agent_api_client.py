@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import urllib.error
 import urllib.request
@@ -57,16 +58,13 @@ def cold_continuation(model_dir: Path, prompt: list[int], max_tokens: int) -> li
 def _loaded(model_dir: Path) -> tuple[Any, Any]:
     """mlx-lm's load of `model_dir`, kept while its files are unchanged: tests ask for the same few
     models many times, and a model holds no state between generations."""
-    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(model_dir.iterdir()))
-    key = str(model_dir.resolve())
-    if _LOADED.get(key, (None,))[0] != stamp:
-        _LOADED.pop(key, None)
-        while len(_LOADED) >= KEEP_LOADED:
-            _LOADED.pop(next(iter(_LOADED)))
-        _LOADED[key] = (stamp, *load(key))
-    _, model, tokenizer = _LOADED[key]
+    stats = {path.name: path.stat() for path in model_dir.iterdir()}
+    stamp = tuple((name, stat.st_size, stat.st_mtime_ns) for name, stat in sorted(stats.items()))
+    return _load(str(model_dir.resolve()), stamp)
+
+
+@functools.lru_cache(maxsize=2)  # the two models used last stay loaded
+def _load(path: str, stamp: tuple[tuple[str, int, int], ...]) -> tuple[Any, Any]:
+    """`stamp` is only part of the key: a model whose files changed is loaded again."""
+    model, tokenizer = load(path)[:2]
     return model, tokenizer
-
-
-KEEP_LOADED = 2  # models kept loaded, the least recently loaded dropped first
-_LOADED: dict[str, tuple[Any, Any, Any]] = {}

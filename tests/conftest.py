@@ -14,7 +14,7 @@ from tests.tiny_models import build_tiny_model
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Compile semantic's modules once, here: the ~60 servers the tests start import them, and where
+    """Compile semantic's modules once, here: the servers the tests start (~55) import them, and where
     PYTHONDONTWRITEBYTECODE is set (as on the VMs this project is tested on) each would compile them
     again (~0.25 s a start). The package's folders are links in a checkout, which compileall skips."""
     package = Path(semantic.__file__).parent
