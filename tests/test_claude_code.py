@@ -49,11 +49,15 @@ def test_claude_code_completes_turns_and_reuses_the_cache(
 ) -> None:  # type: ignore[no-untyped-def]
     server = server_factory("--model", str(default_model_dir), "--temperature", "0").start()
     session = str(uuid.uuid4())
+    # A system prompt of our own: the CLI's default one names the working directory, and the 135M
+    # model's greedy answer depends on it. Probed on 20 dates, with a pytest-xdist path
+    # (`.../popen-gw0/...`) it ran past 256 tokens 9 times; with this prompt, on 200 dates, never.
+    # The date stays in the prompt (the CLI puts it in the first user message).
+    plain = ["--tools", "", "--system-prompt", "You are a helpful assistant."]
     first = claude(
         server,
         tmp_path,
-        "--tools",
-        "",
+        *plain,
         "--session-id",
         session,
         "What is the capital of France? Answer in one sentence.",
@@ -62,14 +66,13 @@ def test_claude_code_completes_turns_and_reuses_the_cache(
     assert "Paris" in first["result"]
     assert first["usage"]["input_tokens"] > 0
 
-    second = claude(
-        server, tmp_path, "--tools", "", "--resume", session, "And of Germany? Answer in one sentence."
-    )
+    second = claude(server, tmp_path, *plain, "--resume", session, "And of Germany? Answer in one sentence.")
     assert second["is_error"] is False and second["result"]
     assert second["usage"]["cache_read_input_tokens"] > 0
 
-    # A turn with a tool available: Claude Code sends its tool schemas; the server renders them
-    # through the chat template and answers (whether the 135M model calls the tool is up to it).
+    # A turn with a tool available and the CLI's own system prompt: Claude Code sends its tool
+    # schemas; the server renders them through the chat template and answers (whether the 135M
+    # model calls the tool is up to it).
     (tmp_path / "notes.txt").write_text("The secret word is apricot.\n")
     # Replies cut at 8 tokens: the CLI asks to go on after each cut (four requests in all), and any
     # longer only costs time on two CPU cores.
