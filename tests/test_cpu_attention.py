@@ -225,6 +225,20 @@ def test_a_batch_cache_s_mask_made_on_the_engine_thread_is_attended_as_a_padded_
     assert padded.max_left_padding == 70
     expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.125, mask=mask)
     np.testing.assert_allclose(np.array(ours), np.array(expected), rtol=1e-4, atol=2e-5)
+    # A decode step's one-row mask is applied whole (reading its padding would wait on the step
+    # before it).
+    seen.clear()
+    query = queries[:, :, :1]
+    with cpu_kernels.cpu_kernels_on_this_thread():
+        row = cache.make_mask(1)
+        keys, values = cache.update_and_fetch(query[:, :3], query[:, 3:6])
+        one = hook(query, keys, values, cache, scale=0.125, mask=row)
+    assert len(seen) == 1 and seen[0] is row
+    expected = mx.fast.scaled_dot_product_attention(query, keys, values, scale=0.125, mask=row)
+    np.testing.assert_allclose(np.array(one), np.array(expected), rtol=1e-4, atol=2e-5)
+    cache.offset -= 1
+    cache._idx -= 1
+    keys, values = keys[..., :-1, :], values[..., :-1, :]
     # Changed after it was made, or made off the engine thread: the array is applied whole.
     seen.clear()
     cache.offset -= 12
