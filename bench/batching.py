@@ -56,10 +56,10 @@ def prompts(tokenizer, n: int) -> list[list[int]]:  # type: ignore[no-untyped-de
     ]
 
 
-def raw_tokens_per_s(model, tokenizer, n: int) -> float:  # type: ignore[no-untyped-def]
+def raw_tokens_per_s(model, tokenizer, n: int, max_tokens: int = MAX_TOKENS) -> float:  # type: ignore[no-untyped-def]
     generator = BatchGenerator(model, completion_batch_size=16, prefill_step_size=512)
     start = time.perf_counter()
-    generator.insert(prompts(tokenizer, n), max_tokens=[MAX_TOKENS] * n)
+    generator.insert(prompts(tokenizer, n), max_tokens=[max_tokens] * n)
     generated, done = 0, 0
     while done < n:
         _, responses = generator.next()
@@ -69,7 +69,9 @@ def raw_tokens_per_s(model, tokenizer, n: int) -> float:  # type: ignore[no-unty
     return generated / (time.perf_counter() - start)
 
 
-async def http_tokens_per_s(url: str, tokenizer, n: int, health: list[float] | None = None) -> float:  # type: ignore[no-untyped-def]
+async def http_tokens_per_s(  # type: ignore[no-untyped-def]
+    url: str, tokenizer, n: int, health: list[float] | None = None, max_tokens: int = MAX_TOKENS
+) -> float:
     async with aiohttp.ClientSession() as session:
 
         async def one(i: int) -> int:
@@ -77,7 +79,7 @@ async def http_tokens_per_s(url: str, tokenizer, n: int, health: list[float] | N
                 "messages": [{"role": "user", "content": f"Write a long essay about {TOPICS[i]}."}],
                 "stream": True,
                 "temperature": 0,
-                "max_tokens": MAX_TOKENS,
+                "max_tokens": max_tokens,
                 "stream_options": {"include_usage": True},
             }
             tokens = 0

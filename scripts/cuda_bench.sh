@@ -26,12 +26,12 @@ if [ "${1:-}" = prepare ]; then
     download() {
         "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
             --implementation cp --platform manylinux_2_35_x86_64 --platform manylinux_2_31_x86_64 \
-            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 "$@"
+            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 "$@"
     }
     work=$(mktemp -d)
     rm -rf .gpu1 .gpu2 && mkdir -p .gpu1 .gpu2/whl .gpu2/model_src || exit 1
     download -d .gpu2/whl "mlx==$mlx" "mlx-lm==$(version mlx-lm)" "msgspec==$(version msgspec)" \
-        "loguru==$(version loguru)" "llguidance==$(version llguidance)" || exit 1
+        "loguru==$(version loguru)" "llguidance==$(version llguidance)" "py-spy==$(version py-spy)" || exit 1
     download -d "$work" "mlx-cuda-13==$mlx" || exit 1
     (cd "$work" && mkdir lib && cd lib && unzip -q ../mlx_cuda_13-*.whl && strip --strip-unneeded mlx/lib/libmlx.so \
         && tar cf - . | xz -T0 -9 > ../cuda.tar.xz) || exit 1
@@ -63,7 +63,7 @@ if [ -n "$nvidia" ]; then
     LD_LIBRARY_PATH=$(find -L "$nvidia" -maxdepth 3 -type d -name lib | paste -sd:):${LD_LIBRARY_PATH:-}
     export LD_LIBRARY_PATH
 fi
-export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/tmp/xdg
+export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/tmp/xdg PATH=$site/bin:$PATH
 [ -d /usr/local/cuda ] && export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 if ! python3 -c 'import mlx.core as mx; a = mx.ones((2048, 2048)); print(mx.default_device(), (a @ a).sum().item())'
 then
@@ -85,7 +85,7 @@ run_bench() {  # NAME [ARGS...]: run one benchmark in the time left, then bank t
     tar cf "$out/results.tar" -C bench/results .
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-benches=${BENCHES:-decode_limit,batching,agent_resume,arrivals,history_ttft,agent_replay --agents 8,kv_footprint}
+benches=${BENCHES:-decode_limit,batching,agent_resume,arrivals,history_ttft,agent_replay --agents 8,kv_footprint,http_profile}
 IFS=, read -ra list <<< "$benches"
 for bench in "${list[@]}"; do
     run_bench $bench  # unquoted: a benchmark's name, then its arguments
