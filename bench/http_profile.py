@@ -51,9 +51,9 @@ def py_spy() -> str | None:
     return os.environ.get("PY_SPY") or (str(beside) if beside.exists() else shutil.which("py-spy"))
 
 
-def record(spy: str, pid: int, name: str, seconds: int, *flags: str) -> subprocess.Popen[bytes]:
-    """py-spy sampling `pid` for `seconds` in the background, without pausing it (--nonblocking)."""
-    output = RESULTS / f"http_profile_{name}.txt"
+def record(spy: str, pid: int, output: Path, seconds: int, *flags: str) -> subprocess.Popen[bytes]:
+    """py-spy sampling `pid` for `seconds` in the background, without pausing it (--nonblocking),
+    its collapsed stacks written to `output`."""
     cmd = [spy, "record", "--pid", str(pid), "--rate", str(RATE_HZ), "--duration", str(seconds)]
     cmd += ["--nonblocking", "--format", "raw", "--output", str(output), *flags]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -86,12 +86,12 @@ def profile_while(
     spy: str, pid: int, name: str, seconds: int, decode: Callable[[], float], *flags: str
 ) -> dict[str, Any]:
     """Profile `pid` while `decode()` runs again and again (8 streams each time)."""
-    proc = record(spy, pid, name, seconds, *flags)
+    stacks = RESULTS / f"http_profile_{name}.txt"
+    proc = record(spy, pid, stacks, seconds, *flags)
     rates, stop = [], time.monotonic() + seconds + 1
     while time.monotonic() < stop:
         rates.append(round(decode(), 1))
     _, errors = proc.communicate(timeout=60)
-    stacks = RESULTS / f"http_profile_{name}.txt"
     if proc.returncode or not stacks.exists():
         return {"error": errors.decode(errors="replace")[-500:], "tok_s_while_profiled": rates}
     return {"flags": list(flags), "tok_s_while_profiled": rates, "threads": summarise(stacks, seconds)}
