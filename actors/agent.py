@@ -22,6 +22,8 @@ from loguru import logger
 
 from semantic.actors.agent_id import AgentId
 from semantic.actors.agent_messages import (
+    AgentDeletedError,
+    AgentExistsError,
     AgentMessage,
     AgentStoppedError,
     EvictCache,
@@ -41,7 +43,7 @@ from semantic.actors.turns import (
     TurnRequest,
     TurnStarted,
 )
-from semantic.engine.commands import DropCache, RestoreCache, TakeCache
+from semantic.engine.commands import DropCache, RestoreCache, SnapshotCaches
 from semantic.engine.engine import Engine
 from semantic.engine.errors import EngineError, LibraryPanic, as_ordinary
 from semantic.engine.messages import Finished, FinishReason, GenerationRequest
@@ -73,6 +75,9 @@ class AgentActor:
         self._mailbox: asyncio.Queue[tuple[AgentMessage, asyncio.Future[Any]]] = asyncio.Queue()
         self._stopped = False
         self._conversation = KeptConversation(agent_id)  # the direct API's
+        self._running: RequestStream | None = None  # the turn holding the mailbox, once submitted
+        self._deleted: AgentDeletedError | None = None  # set by a delete until its ForgetAgent runs
+        self._handling: AgentMessage | None = None
 
     @property
     def is_stopped(self) -> bool:
@@ -89,6 +94,30 @@ class AgentActor:
             raise MailboxFullError(self.agent_id, self.mailbox_size)
         reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._mailbox.put_nowait((message, reply))
+        return reply
+
+    def ask_forget(self) -> asyncio.Future[Any]:
+        """Delete the agent: its running turn is cancelled and its queued turns fail (either would
+        bring it back), then ForgetAgent runs; replies whether the agent existed."""
+        assert self.agent_id is not None, "forget asked of an anonymous actor: registry bug"
+        if self._stopped:
+            raise AgentStoppedError(f"agent {self.agent_id} is stopped")
+        self._deleted = AgentDeletedError(self.agent_id.local_id, while_running=True)
+        cancelled_turns = isinstance(self._handling, StartTurn)
+        if self._running is not None:
+            self._running.fail(self._deleted)
+        kept: list[tuple[AgentMessage, asyncio.Future[Any]]] = []
+        while not self._mailbox.empty():
+            message, reply = self._mailbox.get_nowait()
+            if isinstance(message, StartTurn) and not reply.done():
+                reply.set_exception(AgentDeletedError(self.agent_id.local_id, while_running=False))
+                cancelled_turns = True
+            else:
+                kept.append((message, reply))
+        reply = asyncio.get_running_loop().create_future()
+        forget = ForgetAgent(cancelled_turns)
+        for item in [*kept, (forget, reply)]:  # past the bound: a delete always gets in
+            self._mailbox.put_nowait(item)
         return reply
 
     def stop_nowait(self) -> None:
@@ -118,6 +147,7 @@ class AgentActor:
             self._fail_queued()
 
     async def _handle(self, message: AgentMessage, reply: asyncio.Future[Any]) -> None:
+        self._handling = message
         try:
             result = await self._dispatch(message, reply)
         except BaseException as caught:
@@ -127,6 +157,8 @@ class AgentActor:
             if not reply.done():
                 reply.set_exception(error)
             return
+        finally:
+            self._handling = None
         if not reply.done():
             reply.set_result(result)
 
@@ -134,18 +166,20 @@ class AgentActor:
         match message:
             case StartTurn(turn=turn):
                 return await self._run_turn(turn, reply)
-            case OpenConversation(system=system_prompt):
-                return await self._conversation.open(await self._models.ready(), system_prompt)
+            case OpenConversation(system=system_prompt, if_exists=if_exists):
+                return await self._open(system_prompt, if_exists)
             case EvictCache():
                 return await self._evict()
-            case ForgetAgent():
-                return await self._forget()
+            case ForgetAgent(cancelled_turns=cancelled_turns):
+                return await self._forget() or cancelled_turns
             case StopAgent():
                 return None
 
     async def _run_turn(self, turn: TurnRequest, reply: asyncio.Future[Any]) -> None:
         with contextlib.ExitStack() as committing:
-            async with self._models.lease(turn.model) as session:  # no model switch until submitted
+            async with self._models.lease(
+                turn.model, turn.may_switch_model
+            ) as session:  # held until submitted
                 conversation = await self._conversation.current(session) if turn.keeps_conversation else None
                 prompt, request = await build_request(
                     self._models, session, conversation, turn, self.max_prompt_tokens
@@ -156,6 +190,8 @@ class AgentActor:
                 stream = await self._submit(session, request, turn.cache_salt)
                 if is_fork:
                     return self._answer_fork(reply, session, prompt, stream)
+                if self._deleted is not None:  # deleted while this turn was being prepared
+                    stream.fail(self._deleted)
                 committing.enter_context(self._models.committing())  # files stay open until saved
             await self._finish_turn(turn, reply, session, conversation, prompt, stream)
 
@@ -174,6 +210,7 @@ class AgentActor:
         else:
             reply.set_result(TurnStarted(stream, prompt, session.loaded.name, self.agent_id, committed))
         # The next message waits until this turn is done (and, for a kept conversation, durable).
+        self._running = stream
         try:
             final = await asyncio.shield(stream.done)
             if conversation is not None and isinstance(final, Finished):
@@ -185,6 +222,8 @@ class AgentActor:
             committed.exception()  # retrieved: a reader that left must not warn about it
             logger.error("agent {}: turn {} not committed: {}", self.agent_id, turn.request_id, error)
             return None
+        finally:
+            self._running = None
         committed.set_result(None)
         return None
 
@@ -267,18 +306,56 @@ class AgentActor:
             await session.persistence.quarantine(self.agent_id, f"could not restore it: {error}")
 
     async def _evict(self) -> bool:
-        """Write the agent's cache to disk and free its blocks; False if it had none in memory."""
+        """Write the agent's cache to disk, then free its blocks; False if it had none in memory or
+        it is not to be written (over the disk budget). A failed write raises (DiskFullError when
+        the disk is full: 507) and the cache stays in memory for the agent's next turn."""
         persistence = self._models.persistence
         if self.agent_id is None or self._engine.loaded is None:
             return False
-        serialized = await self._engine.ask(TakeCache(self.agent_id))
-        if serialized is None or persistence is None:
+        if persistence is None:  # no folder to write to: evicting only frees the memory
+            await self._engine.ask(DropCache(self.agent_id, keeps_files=True))
             return False
-        return bool(await persistence.save([serialized]))
+        # A copy first, freed only once its file is written; the mailbox keeps this agent's turns out.
+        copies = await self._engine.ask(SnapshotCaches(self.agent_id))
+        if not copies:
+            return False
+        try:
+            if not await persistence.write(copies[0]):
+                return False
+        except OSError as error:
+            logger.warning("agent {}: cache not evicted, it stays in memory: {}", self.agent_id, error)
+            raise
+        await self._engine.ask(DropCache(self.agent_id, keeps_files=True))
+        return True
 
-    async def _forget(self) -> None:
-        """Drop the agent's cache and conversation from memory and disk."""
+    async def _open(self, system_prompt: str | None, if_exists: str) -> None:
+        """Start the kept conversation, after checking in this one step whether the agent exists
+        (so two creates, or a create beside a first turn, cannot both succeed)."""
+        session = await self._models.ready()
+        if if_exists != "reset" and await self._exists():
+            if if_exists == "refuse":
+                assert self.agent_id is not None, "create sent to an anonymous actor: registry bug"
+                raise AgentExistsError(self.agent_id.local_id)
+            return
+        await self._conversation.open(session, system_prompt)
+
+    async def _exists(self) -> bool:
+        """Whether the agent has a conversation or a cache, in memory or in the agents' folder."""
+        if self.agent_id is None:
+            return False
+        if self._conversation.is_kept:
+            return True
+        loaded = self._engine.loaded
+        if loaded is not None and self._engine.holds_cache(self.agent_id, loaded.fingerprint):
+            return True
+        persistence = self._models.persistence  # kept while the model is unloaded
+        return persistence is not None and bool(await persistence.on_disk(self.agent_id))
+
+    async def _forget(self) -> bool:
+        """Drop the agent's cache and conversation from memory and disk; whether it existed."""
         assert self.agent_id is not None, "forget sent to an anonymous actor: registry bug"
+        self._deleted = None  # turns asked after the delete start the agent afresh
+        existed = await self._exists()
         self._conversation.forget()
         self._marks.forget(self.agent_id)
         if self._engine.loaded is not None:
@@ -286,6 +363,7 @@ class AgentActor:
         persistence = self._models.persistence
         if persistence is not None:
             await persistence.delete(self.agent_id)
+        return existed
 
     def _fail_queued(self) -> None:
         while not self._mailbox.empty():

@@ -9,6 +9,7 @@ the KV budget, so what waits is bounded by it: past the bound, newly evicted cac
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from loguru import logger
@@ -46,12 +47,16 @@ class EvictedWrites:
             )
             return False
         self.num_waiting_bytes += num_bytes
-        task = asyncio.get_running_loop().create_task(persistence.save(caches))
+        task = asyncio.get_running_loop().create_task(persistence.save(caches, time.monotonic()))
         self._tasks.add(task)
+        num_caches = len(caches)  # not the caches: their arrays must not outlive the write
 
         def written(task: asyncio.Task[Any]) -> None:
             self._tasks.discard(task)
             self.num_waiting_bytes -= num_bytes
+            # A failed write is logged by persistence; what is left (it stopped) is logged here.
+            if not task.cancelled() and (error := task.exception()) is not None:
+                logger.warning("{} evicted caches not written: {}", num_caches, error)
 
         task.add_done_callback(written)
         return True

@@ -22,12 +22,14 @@ class KeptConversation:
         self._agent_id = agent_id
         self._record: ConversationRecord | None = None
         self._model: str | None = None  # the fingerprint of the model `_record` is for
+        self.is_kept = False  # opened or extended by a turn, and not forgotten since
 
     async def open(self, session: ModelSession, system: str | None) -> ConversationRecord:
         """Start the conversation afresh, with `system` as its system prompt, and save it."""
         self._model = session.loaded.fingerprint
         self._record = ConversationRecord(system=system, created_at=time.time())
         await self._save(session, self._record)
+        self.is_kept = True
         return self._record
 
     async def current(self, session: ModelSession) -> ConversationRecord:
@@ -58,9 +60,11 @@ class KeptConversation:
         )
         await self._save(session, updated)
         self._record = updated
+        self.is_kept = True
 
     def forget(self) -> None:
         self._record = None
+        self.is_kept = False
 
     async def _save(self, session: ModelSession, record: ConversationRecord) -> None:
         if session.persistence is not None and self._agent_id is not None:

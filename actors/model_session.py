@@ -22,6 +22,17 @@ class ModelLoadError(ModelUnavailableError):
     """The requested model failed to load (the previous one, if any, was loaded back)."""
 
 
+class ModelSwitchForbiddenError(Exception):
+    """A request named another model than the loaded one and may not switch (not an admin)."""
+
+    def __init__(self, requested: str, loaded: str) -> None:
+        super().__init__(
+            f"model {requested!r} is not loaded ({loaded!r} is) and this API key may not switch "
+            "models, which drains every namespace's requests; ask an admin key (the API keys "
+            "file's `admin`) to load it"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class SwapReport:
     """What one model transition did and how long each phase took."""

@@ -10,6 +10,11 @@ A flush writes only the caches whose files do not hold them already (the file's 
 against the cache's), one agent at a time. After `checkpoint_idle_s` without requests the host
 flushes on its own: a crash then loses no cache that had been idle that long, and a stop or swap
 writes only what changed since.
+
+An unload keeps the model's persistence actor: the agents' folder, not the loaded model, says which
+agents exist, so listing, reading and deleting agents work while no model is loaded. A stop wins
+over a swap: once `begin_shutdown` is called, requests waiting for a model get ModelUnavailableError
+(503) at once and a swap under way drains and flushes but loads nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from semantic.actors.model_session import (
     Holds,
     ModelLoadError,
     ModelSession,
+    ModelSwitchForbiddenError,
     ModelUnavailableError,
     SwapReport,
 )
@@ -70,6 +76,8 @@ class ModelHost:
         self.idle_unload_s = idle_unload_s
         self.checkpoint_idle_s = checkpoint_idle_s
         self.session: ModelSession | None = None
+        self._parked: PersistenceActor | None = None  # the unloaded model's, until a load needs another
+        self._shutdown = asyncio.Event()
         self.entry: ModelEntry | None = None
         self._last_entry = registry.initial
         self._transition: asyncio.Task[SwapReport] | None = None
@@ -95,7 +103,16 @@ class ModelHost:
 
     @property
     def persistence(self) -> PersistenceActor | None:
-        return self.session.persistence if self.session is not None else None
+        """The loaded model's agents' folder, or while none is loaded, the last loaded model's."""
+        return self.session.persistence if self.session is not None else self._parked
+
+    @property
+    def is_shutting_down(self) -> bool:
+        return self._shutdown.is_set()
+
+    def begin_shutdown(self) -> None:
+        """From now on no model is loaded: waiting requests fail with 503 and a swap loads nothing."""
+        self._shutdown.set()
 
     async def start(self) -> None:
         self.active_memory_before_load = mx.get_active_memory()
@@ -107,6 +124,7 @@ class ModelHost:
             self._checkpoint_watch = asyncio.create_task(self._checkpoint_when_idle(self.checkpoint_idle_s))
 
     async def stop(self, flush: bool = True) -> None:
+        self.begin_shutdown()
         for watch in (self._idle_watch, self._checkpoint_watch):
             if watch is not None:
                 watch.cancel()
@@ -117,37 +135,44 @@ class ModelHost:
             written = await self.flush()
             logger.info("flushed {} agent caches to disk", len(written))
         await self.engine.stop()
-        if self.session is not None and self.session.persistence is not None:
-            await self.session.persistence.stop()
+        if self.persistence is not None:
+            await self.persistence.stop()
         self._tokenizer.shutdown(wait=False, cancel_futures=True)
 
     async def tokenize(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a template/tokenizer function in the tokenizer workers."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer, fn, *args)
 
-    async def ready(self, name: str | None = None) -> ModelSession:
+    async def ready(self, name: str | None = None, may_switch: bool = True) -> ModelSession:
         """The session of the model `name` resolves to (None: whichever is loaded), once loaded.
+        Without `may_switch` only the loaded model, or the last one loaded back, is served.
 
-        Raises UnknownModelError (not configured), ModelLoadError (it failed to load) or
-        ModelUnavailableError (not ready within `model_wait_s`).
+        Raises UnknownModelError (not configured), ModelSwitchForbiddenError (another model without
+        `may_switch`), ModelLoadError (it failed to load) or ModelUnavailableError (not ready within
+        `model_wait_s`, or shutting down).
         """
         entry = self.registry.resolve(name)
         deadline = time.monotonic() + self.model_wait_s
         while True:
+            if self._shutdown.is_set():
+                raise ModelUnavailableError("the server is shutting down; retry shortly")
             self._last_used = time.monotonic()
             if self._transition is not None:
                 await self._wait_for(self._transition, deadline)
                 continue
             if self.session is not None and entry in (None, self.entry):
                 return self.session
-            report = await self._wait_for(self._begin(entry or self._last_entry), deadline)
-            if report.error is not None:
+            target = entry or self._last_entry
+            if not may_switch and target != self._last_entry:
+                raise ModelSwitchForbiddenError(target.name, self._last_entry.name)
+            report = await self._wait_for(self._begin(target), deadline)
+            if report.error is not None and not self._shutdown.is_set():
                 raise ModelLoadError(report.error)
 
     @contextlib.asynccontextmanager
-    async def lease(self, name: str | None = None) -> AsyncIterator[ModelSession]:
+    async def lease(self, name: str | None = None, may_switch: bool = True) -> AsyncIterator[ModelSession]:
         """`ready(name)`, and the model stays loaded until the block ends (a turn submits in it)."""
-        session = await self.ready(name)
+        session = await self.ready(name, may_switch)
         with self._leases.hold():
             yield session
 
@@ -180,9 +205,10 @@ class ModelHost:
         written: list[str] = []
         for cached in await self.engine.ask(ListCaches()):
             file_digest = file_digests.get(cached.agent_id, "")
+            taken_at = time.monotonic()
             caches = await self.engine.ask(SnapshotCaches(cached.agent_id, file_digest))
             if caches:
-                written += await persistence.save(caches)
+                written += await persistence.save(caches, taken_at)
         return written
 
     def _begin(self, target: ModelEntry | None) -> asyncio.Task[SwapReport]:
@@ -199,13 +225,27 @@ class ModelHost:
             self.transition_target = None
 
     async def _wait_for(self, transition: asyncio.Task[SwapReport], deadline: float) -> SwapReport:
+        """The transition's report; a shutdown or the deadline ends the wait (503), not the transition."""
+        shutdown = asyncio.ensure_future(self._shutdown.wait())
         try:
-            return await asyncio.wait_for(asyncio.shield(transition), max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
+            await asyncio.wait(
+                [transition, shutdown],
+                timeout=max(0.0, deadline - time.monotonic()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            shutdown.cancel()
+        if transition.done():
+            return transition.result()
+        if self._shutdown.is_set():
             raise ModelUnavailableError(
-                f"waited {self.model_wait_s:.0f} s (the limit) for the model to switch to "
-                f"{self.transition_target or 'unloaded'}"
-            ) from None
+                f"the server is shutting down; the switch to {self.transition_target or 'unloaded'} "
+                "is abandoned; retry shortly"
+            )
+        raise ModelUnavailableError(
+            f"waited {self.model_wait_s:.0f} s (the limit) for the model to switch to "
+            f"{self.transition_target or 'unloaded'}"
+        )
 
     async def _switch_to(self, target: ModelEntry | None) -> SwapReport:
         """Drain, flush and unload the current model, then load `target` (the old one if that fails)."""
@@ -213,12 +253,14 @@ class ModelHost:
         old = self.entry
         report = SwapReport(old.name if old else None, target.name if target else None)
         if self.session is not None:
-            report = await self._detach(report)
-        if target is not None:
+            report = await self._detach(report, keeps_files=target is None)
+        if target is not None and self._shutdown.is_set():
+            report = replace(report, error="abandoned: the server is shutting down")
+        elif target is not None:
             report = await self._load(target, old, report)
         report = replace(report, total_s=time.perf_counter() - started)
         logger.info(
-            "{} {} -> {} in {:.2f} s (drain {:.2f}, flush {:.2f}, unload {:.2f}, load {:.2f})",
+            "{} {} -> {} in {:.2f} s (drain {:.2f}, flush {:.2f}, unload {:.2f}, load {:.2f}){}",
             "failed to switch" if report.error else "switched",
             report.from_model,
             report.to_model or "unloaded",
@@ -227,6 +269,7 @@ class ModelHost:
             report.flush_s,
             report.unload_s,
             report.load_s,
+            f": {report.error}" if report.error else "",
         )
         self.last_swap = report
         self.swap_history = [*self.swap_history[-99:], report]
@@ -251,16 +294,22 @@ class ModelHost:
 
     async def _attach(self, entry: ModelEntry) -> None:
         loaded = self.engine.model
-        persistence = None
-        if self.persist_caches:
+        persistence, parked = None, self._parked
+        self._parked = None
+        if parked is not None and self.persist_caches and parked.identity == identity_of(loaded):
+            persistence = parked  # the same model loaded back: its folder's actor never stopped
+        elif self.persist_caches:
+            if parked is not None:
+                await parked.stop()
             persistence = PersistenceActor(self.cache_dir, identity_of(loaded), self.disk_budget_bytes)
             await persistence.start()
         grammars = GrammarCompiler(loaded.tokenizer, sorted(loaded.eos_token_ids))
         self.session = ModelSession(loaded, ChatFormat(loaded.tokenizer), persistence, grammars)
         self.entry = self._last_entry = entry
 
-    async def _detach(self, report: SwapReport) -> SwapReport:
-        """Let the batch finish (bounded), write every hot cache to disk, drop the model."""
+    async def _detach(self, report: SwapReport, keeps_files: bool) -> SwapReport:
+        """Let the batch finish (bounded), write every hot cache to disk, drop the model; with
+        `keeps_files` (an unload) its persistence actor stays, for the agents' folder."""
         started = time.perf_counter()
         await self._leases.none_held()  # turns that got the model submit first; new ones wait for us
         reason = f"the model is switching to {report.to_model or 'unloaded'}"
@@ -273,7 +322,9 @@ class ModelHost:
         memory_before = mx.get_active_memory()
         persistence = self.session.persistence if self.session is not None else None
         self.session = self.entry = None  # no reference to the model may outlive the unload
-        if persistence is not None:
+        if keeps_files:
+            self._parked = persistence
+        elif persistence is not None:
             await persistence.stop()
         await self.engine.ask(UnloadModel())
         return replace(
@@ -297,7 +348,7 @@ class ModelHost:
     async def _unload_when_idle(self, idle_s: float) -> None:
         while True:
             await asyncio.sleep(min(idle_s / 4, 5.0))
-            if self.session is not None and self._quiet_for_s() >= idle_s:
+            if self.session is not None and self._quiet_for_s() >= idle_s and not self._shutdown.is_set():
                 logger.info("no requests for {:.0f} s: unloading {}", idle_s, self.session.loaded.name)
                 await self._begin(None)
 

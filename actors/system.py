@@ -13,10 +13,11 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 from semantic.actors.agent import AgentActor
 from semantic.actors.agent_id import AgentId
-from semantic.actors.agent_messages import EvictCache, ForgetAgent, OpenConversation, StartTurn
+from semantic.actors.agent_messages import EvictCache, OpenConversation, StartTurn
 from semantic.actors.handle import AgentHandle
 from semantic.actors.history_marks import HistoryMarks
 from semantic.actors.models import ModelHost
@@ -52,6 +53,7 @@ class AgentInfo:
     num_cached_tokens: int
     tier: str
     last_used_s_ago: float | None
+    num_turns: int | None = None  # the direct API's kept conversation (asked of one agent only)
 
 
 class AgentSystem:
@@ -158,30 +160,31 @@ class AgentSystem:
         return started
 
     async def count_tokens(self, turn: TurnRequest) -> int:
-        session = await self.models.ready(turn.model)
+        session = await self.models.ready(turn.model, may_switch=turn.may_switch_model)
         loaded = session.loaded
         bound = PromptBound.of(loaded, self.config.max_prompt_tokens)
         prompt = await self.models.tokenize(prepare_stateless, session.chat, turn, bound)
         return len(prompt.token_ids)
 
-    async def open_agent(self, agent_id: AgentId, system_prompt: str | None) -> None:
-        """Create (or reset) an agent's kept conversation with a system prompt; one that alone is
+    async def open_agent(
+        self,
+        agent_id: AgentId,
+        system_prompt: str | None,
+        if_exists: Literal["refuse", "resume", "reset"] = "refuse",
+    ) -> None:
+        """Create an agent's kept conversation with a system prompt; where the agent exists already,
+        `if_exists` says what happens (refuse: AgentExistsError). A system prompt that alone is
         obviously over the prompt limits is refused (PromptTooLongError, PromptLimitError) before
         anything is written."""
         if system_prompt:
             loaded = (await self.models.ready()).loaded
             PromptBound.of(loaded, self.config.max_prompt_tokens).refuse_obviously_long(system_prompt)
-        await self._actor(AgentId(agent_id)).ask(OpenConversation(system_prompt))
+        await self._actor(AgentId(agent_id)).ask(OpenConversation(system_prompt, if_exists))
 
     async def open(self, agent_id: str, system_prompt: str | None = None, resume: bool = True) -> AgentHandle:
         """A handle on an agent for embedding: resumes its kept conversation if it has one."""
         agent = AgentId(agent_id)
-        session = await self.models.ready()
-        existing = None
-        if resume and session.persistence is not None:
-            existing = await session.persistence.load_conversation(agent)
-        if existing is None:
-            await self.open_agent(agent, system_prompt)
+        await self.open_agent(agent, system_prompt, "resume" if resume else "reset")
         return AgentHandle(self, agent)
 
     async def evict(self, agent_id: AgentId) -> bool:
@@ -190,12 +193,10 @@ class AgentSystem:
         return evicted
 
     async def forget(self, agent_id: AgentId) -> bool:
-        """Drop an agent's cache and conversation from memory and disk once its running turn ends;
-        False if the agent was unknown."""
-        agent = AgentId(agent_id)
-        known = await self.agent_info(agent) is not None
-        await self._actor(agent).ask(ForgetAgent())
-        return known
+        """Drop an agent's cache and conversation from memory and disk: its running turn is
+        cancelled and its queued turns fail (AgentDeletedError). False if the agent was unknown."""
+        existed: bool = await self._actor(AgentId(agent_id)).ask_forget()
+        return existed
 
     async def flush(self) -> list[str]:
         """Write every hot named agent's cache to disk (they stay in memory)."""
@@ -219,5 +220,11 @@ class AgentSystem:
         return sorted(infos.values(), key=lambda info: info.agent_id)
 
     async def agent_info(self, agent_id: AgentId) -> AgentInfo | None:
-        found = await self.list_agents(only=AgentId(agent_id))
-        return found[0] if found else None
+        """One agent, with its kept conversation's number of turns (0 for a chat API's agent)."""
+        agent = AgentId(agent_id)
+        found = await self.list_agents(only=agent)
+        if not found:
+            return None
+        persistence = self.models.persistence
+        conversation = await persistence.load_conversation(agent) if persistence is not None else None
+        return replace(found[0], num_turns=conversation.num_turns if conversation is not None else 0)

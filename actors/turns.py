@@ -80,6 +80,9 @@ class TurnRequest:
     messages: list[ChatMessage]
     sampling: SamplingParams
     model: str | None = None  # a configured name or alias; None: the loaded model
+    # Whether the turn may load another model than the loaded (or last loaded) one: with an API
+    # keys file only admin namespaces may, since a switch drains every namespace's requests.
+    may_switch_model: bool = True
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     prefill: str = ""  # a final assistant message's text: the reply continues it
@@ -134,6 +137,11 @@ class TurnStarted:
     agent_id: AgentId | None
     committed: asyncio.Future[None]
 
+    def check_output_complete(self) -> None:
+        """At Finished: raises IncompleteOutputError where the reply's grammar ended it unfinished."""
+        if self.stream.request.grammar is not None:
+            self.stream.request.grammar.check_complete()
+
 
 def tool_names(tools: list[dict[str, Any]] | None) -> list[str]:
     return [str(tool["function"]["name"]) for tool in tools or ()]
@@ -147,8 +155,10 @@ class ForcedCall:
 
 
 def forced_call(choice: ToolChoice, names: list[str]) -> ForcedCall | None:
-    if choice.mode != "required" or not names:
+    if choice.mode != "required":
         return None
+    if not names:
+        raise UnsupportedContentError("tool_choice: it forces a tool call, but the request has no tools")
     if choice.name is not None and choice.name not in names:
         raise UnsupportedContentError(f"tool_choice: no tool named {choice.name!r} among the request's tools")
     return ForcedCall(choice.name or (names[0] if len(names) == 1 else None))

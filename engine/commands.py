@@ -95,7 +95,11 @@ class SnapshotCaches(EngineAsk[list[SerializedCache]]):
 
 @dataclass(frozen=True, slots=True)
 class DropCache(EngineAsk[None]):
+    """Free an agent's cache from memory. In a group a follower deletes its shard file too (a
+    forget), unless `keeps_files` (an evict, whose files were just written)."""
+
     agent_id: str
+    keeps_files: bool = False
 
 
 @dataclass(frozen=True, slots=True)

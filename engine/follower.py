@@ -136,9 +136,9 @@ class FollowerCore(EngineCore):
                         self._quietly(SnapshotCaches(agent_id, self._shard_digest(agent_id, file_digest)))
                         or []
                     )
-                case DropOp(agent_id=agent_id):
+                case DropOp(agent_id=agent_id, keeps_files=keeps_files):
                     self._quietly(DropCache(agent_id))
-                    if self.loaded is not None:
+                    if self.loaded is not None and not keeps_files:
                         self._follower.files.delete(agent_id, self.loaded)
                 case LoadOp(source=source, name=name):
                     self._quietly(LoadModel(source, name))

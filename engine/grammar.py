@@ -4,10 +4,11 @@ A turn that asks for structured output (a JSON schema, JSON of any shape, or a f
 whose arguments must match the tool's `input_schema`) gets a grammar: a string in llguidance's
 format, built here from the request. The tokenizer worker compiles it into a `GrammarMatcher`
 (`GrammarCompiler`, one per loaded model, compiled grammars cached by their text), which refuses
-what llguidance cannot enforce with a `GrammarError` (a 400): never silent non-enforcement.
+what llguidance cannot enforce with a `GrammarError` (a 400): never silent non-enforcement. So is
+a schema with no finite instance, which llguidance would compile (`engine/schema_finiteness.py`).
 The matcher then travels in the `GenerationRequest` to the engine thread, which alone uses it
 from then on: mlx-lm's BatchGenerator calls it as that sequence's logits processor, so sequences
-without a grammar pay nothing.
+without a grammar pay nothing. A reply the grammar ended unfinished is an error, not a "stop".
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 from loguru import logger
 
+from semantic.engine.schema_finiteness import has_finite_instance
+
 # Compact JSON the way the models' training data writes it; no free whitespace, so a model cannot
 # pad forever inside a constrained value.
 JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -32,9 +35,14 @@ class GrammarError(ValueError):
     """A schema or tool definition that cannot be enforced (unsupported keyword, bad regex, ...)."""
 
 
+class IncompleteOutputError(RuntimeError):
+    """A constrained reply that ended before its format was complete: the grammar allowed nothing
+    that continues it. A format we accepted and could not finish is our fault (500), never "stop"."""
+
+
 def json_schema_grammar(schema: dict[str, Any], where: str) -> str:
     """The grammar of JSON text valid against `schema` (`where` names the field in errors)."""
-    _check_size(schema, where)
+    _check_schema(schema, where)
     try:
         return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)  # type: ignore[arg-type]
     except ValueError as error:
@@ -83,16 +91,21 @@ def _closing(closer: str | None) -> str:
 
 def _inline_json(function: dict[str, Any], where: str) -> str:
     schema = dict(function.get("parameters") or {"type": "object"})
-    _check_size(schema, where)
+    _check_schema(schema, f"{where} {function['name']!r}")
     schema["x-guidance"] = JSON_STYLE
     return "%json " + json.dumps(schema)
 
 
-def _check_size(schema: dict[str, Any], where: str) -> None:
+def _check_schema(schema: dict[str, Any], where: str) -> None:
     size = len(json.dumps(schema))
     if size > MAX_SCHEMA_BYTES:
         raise GrammarError(
             f"{where}: the schema is {size} bytes, more than this server allows ({MAX_SCHEMA_BYTES})"
+        )
+    if not has_finite_instance(schema):
+        raise GrammarError(
+            f"{where}: no finite JSON value satisfies the schema: it requires an instance of itself "
+            'inside every instance (a $ref cycle, such as {"$ref": "#"}, with no way out)'
         )
 
 
@@ -122,6 +135,7 @@ class GrammarMatcher:
         self._matcher: LLMatcher | None = None if trigger else template
         self._pending = b""  # free text since the last call, as far as it may still hold a trigger
         self._num_calls = 0
+        self.failure: str | None = None  # why the grammar forced the reply's end unfinished
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self._num_calls:
@@ -133,12 +147,22 @@ class GrammarMatcher:
         vocab_size = logits.shape[-1]
         if matcher.is_error():
             logger.error("grammar matcher failed ({}); ending the sequence", matcher.get_error())
+            self.failure = f"the output format's matcher failed: {matcher.get_error()}"
             allowed = np.zeros(vocab_size, dtype=np.bool_)
             allowed[[t for t in self._eos_token_ids if t < vocab_size]] = True
         else:
-            bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-            allowed = np.unpackbits(bits, count=vocab_size, bitorder="little").astype(np.bool_)
+            allowed = _allowed(matcher, vocab_size)
+            if _allows_only(allowed, self._eos_token_ids) and not matcher.is_accepting():
+                self.failure = "the output format allows no token that continues the reply"
         return mx.where(mx.array(allowed), logits, mx.array(-np.inf, dtype=logits.dtype))
+
+    def check_complete(self) -> None:
+        """Raises IncompleteOutputError where the reply ended because the grammar could not go on;
+        read after the sequence finished (the engine thread is done with the matcher)."""
+        if self.failure is not None:
+            raise IncompleteOutputError(
+                f"the reply stopped before its output format was complete: {self.failure}"
+            )
 
     def _consume(self, token: int) -> None:
         matcher, trigger = self._matcher, self._trigger
@@ -160,6 +184,17 @@ class GrammarMatcher:
             self._matcher.consume_tokens(self._tokenizer.tokenize_bytes(rest))
 
 
+def _allowed(matcher: LLMatcher, vocab_size: int) -> np.ndarray:
+    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    return np.unpackbits(bits, count=vocab_size, bitorder="little").astype(np.bool_)
+
+
+def _allows_only(allowed: np.ndarray, eos_token_ids: list[int]) -> bool:
+    """Whether the mask allows nothing but the end (llguidance's answer where no text can follow)."""
+    eos = [t for t in eos_token_ids if t < len(allowed)]
+    return bool(allowed[eos].any()) and int(np.count_nonzero(allowed)) == int(np.count_nonzero(allowed[eos]))
+
+
 class GrammarCompiler:
     """Grammars compiled for one model's tokenizer; used from the tokenizer workers only."""
 
@@ -177,6 +212,12 @@ class GrammarCompiler:
             template = LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
             if template.is_error():
                 raise GrammarError(f"cannot enforce this output format: {template.get_error()}")
+            vocab_size = self._llguidance_tokenizer().vocab_size
+            if (
+                _allows_only(_allowed(template, vocab_size), self._eos_token_ids)
+                and not template.is_accepting()
+            ):
+                raise GrammarError("cannot enforce this output format: no reply can satisfy it")
             self._compiled[grammar] = template
             if len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)

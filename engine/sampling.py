@@ -15,6 +15,12 @@ MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_LOGIT_BIASES = 300  # OpenAI's limit
 PENALTY_CONTEXT = 20  # the tokens penalties look back over (mlx-lm's default)
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS): the sampler multiplies the logits by its
+# inverse, and past float32's range every logit becomes -inf, so any token comes out.
+MIN_TEMPERATURE = 1e-5
+# A top_p below this keeps only the most likely token of any vocabulary under a million (whose
+# probability is at least 1 / its size): greedy. Too small for float32, mlx-lm's top-p masks all.
+MIN_TOP_P = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +79,10 @@ class SamplingParams:
             raise ValueError(
                 f"stop takes at most {MAX_STOP_STRINGS} non-empty strings, got {list(self.stop)}"
             )
+        is_tiny_temperature = self.temperature is not None and 0.0 < self.temperature < MIN_TEMPERATURE
+        if is_tiny_temperature or (self.top_p is not None and self.top_p < MIN_TOP_P):
+            object.__setattr__(self, "temperature", 0.0)  # frozen: set once, while being made
+            object.__setattr__(self, "top_p", 1.0)
 
     def check_token_ids(self, num_token_ids: int) -> None:
         """Raises ValueError where `logit_bias` names a token the model does not have."""

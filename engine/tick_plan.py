@@ -100,6 +100,7 @@ class SnapshotOp(msgspec.Struct, tag=True):
 
 class DropOp(msgspec.Struct, tag=True):
     agent_id: str
+    keeps_files: bool = False
 
 
 class ReferenceOp(msgspec.Struct, tag=True):
@@ -177,8 +178,8 @@ def op_for(message: Message) -> Op | None:
                     return TakeOp(str(agent_id))
                 case SnapshotCaches(agent_id=agent_id, file_digest=file_digest):
                     return SnapshotOp(str(agent_id), file_digest)
-                case DropCache(agent_id=agent_id):
-                    return DropOp(str(agent_id))
+                case DropCache(agent_id=agent_id, keeps_files=keeps_files):
+                    return DropOp(str(agent_id), keeps_files)
                 case ReferenceGenerate(prompt_tokens=prompt_tokens, max_tokens=max_tokens):
                     return ReferenceOp(list(prompt_tokens), max_tokens)
     return None

@@ -3,7 +3,7 @@
 POST   /v1/agents                  create, with an optional id and system prompt
 GET    /v1/agents                  list: cached tokens, tier, last use
 GET    /v1/agents/{id}             one agent
-DELETE /v1/agents/{id}             forget it (memory and disk), after its running turn
+DELETE /v1/agents/{id}             forget it (memory and disk); its running and queued turns fail
 POST   /v1/agents/{id}/messages    a turn, JSON or SSE (`stream: true`)
 POST   /v1/agents/{id}/evict       write its cache to disk and free its memory
 
@@ -20,13 +20,14 @@ import msgspec
 from aiohttp import web
 
 from semantic.actors.agent_id import AgentId
+from semantic.actors.agent_messages import AgentExistsError
 from semantic.actors.system import AgentInfo
 from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.engine.messages import Finished, PromptStarted
 from semantic.protocols.common import GATE_KEY, SYSTEM_KEY, SseWriter, json_response
 from semantic.protocols.errors import ApiError, NotFound
 from semantic.protocols.pipeline import TurnEvent, TurnReply, answer_turn, sampling_params
-from semantic.protocols.tenancy import CacheSalt, client_agent_id, is_visible, scoped_cache_salt
+from semantic.protocols.tenancy import CacheSalt, client_agent_id, is_admin, is_visible, scoped_cache_salt
 from semantic.protocols.tool_parser import TextPart
 
 PING_FRAME = b": ping\n\n"
@@ -82,12 +83,15 @@ _decode_turn = msgspec.json.Decoder(AgentTurn).decode
 
 
 def _agent_json(info: AgentInfo) -> dict[str, Any]:
-    return {
+    shown = {
         "id": AgentId(info.agent_id).local_id,
         "cached_tokens": info.num_cached_tokens,
         "tier": info.tier,
         "last_used_s_ago": None if info.last_used_s_ago is None else round(info.last_used_s_ago, 3),
     }
+    if info.num_turns is not None:
+        shown["turns"] = info.num_turns
+    return shown
 
 
 def _agent_id(request: web.Request) -> AgentId:
@@ -99,10 +103,11 @@ async def create_agent(request: web.Request) -> web.Response:
     body = _decode_create(await request.read() or b"{}")
     request.app[GATE_KEY].take_rate()  # each agent is a record on disk and an actor: as a generation
     agent_id = client_agent_id(request, body.id if body.id is not None else f"agent-{uuid.uuid4().hex[:16]}")
-    if await system.agent_info(agent_id) is not None:
-        raise ApiError(f"agent {agent_id.local_id} already exists; DELETE it first", status=409)
-    session = await system.models.ready(body.model)
-    await system.open_agent(agent_id, body.system)
+    session = await system.models.ready(body.model, may_switch=is_admin(request))
+    try:  # the agent's actor checks and creates in one step: of racing creates, one wins
+        await system.open_agent(agent_id, body.system)
+    except AgentExistsError as error:
+        raise ApiError(str(error), status=409) from None
     reply = {"id": agent_id.local_id, "system": body.system, "model": session.loaded.name}
     return json_response(reply, status=201)
 

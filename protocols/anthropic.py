@@ -25,7 +25,7 @@ from semantic.protocols.common import SYSTEM_KEY, SseWriter, json_response
 from semantic.protocols.errors import ApiError
 from semantic.protocols.observe import admit, check_bounds
 from semantic.protocols.pipeline import TurnReply, answer_turn, sampling_params
-from semantic.protocols.tenancy import request_agent_id, scoped_cache_salt
+from semantic.protocols.tenancy import is_admin, request_agent_id, scoped_cache_salt
 
 PING_FRAME = b'event: ping\ndata: {"type":"ping"}\n\n'
 
@@ -83,10 +83,16 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    turn = to_turn(request, decode_request(await request.read()), counting=True)
-    check_bounds(request, num_messages=len(turn.messages), num_tools=len(turn.tools or ()))
+    """The prompt's tokens, for a body `messages` would take (its bounds), also past the context:
+    clients count to learn that a conversation no longer fits."""
+    body = decode_request(await request.read())
+    turn = to_turn(request, body, counting=True)
+    num_tools = len(turn.tools or ())
+    check_bounds(request, max_tokens=body.max_tokens, num_messages=len(turn.messages), num_tools=num_tools)
     admit(request, turn.agent_id)
-    num_tokens = await request.app[SYSTEM_KEY].count_tokens(turn)
+    turn.may_switch_model = is_admin(request)
+    system = request.app[SYSTEM_KEY]
+    num_tokens = await system.count_tokens(turn)
     return json_response(TokenCount(num_tokens))
 
 

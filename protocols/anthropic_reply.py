@@ -118,6 +118,7 @@ class MessageReply(CollectedReply):
             case ToolCallEnd(name=name, arguments=arguments):
                 content.append(OutToolUse(new_id("toolu_"), name, arguments))
             case Finished():
+                self.started.check_output_complete()
                 self.finished = event
 
     def body(self) -> MessageResponse:
@@ -195,6 +196,7 @@ class MessageStream:
         raise AssertionError("a streamed reply has no body: pipeline bug")
 
     async def _finish(self, finished: Finished) -> None:
+        self.started.check_output_complete()
         if self.index < 0:
             await self._open_block("text", {"type": "text", "text": ""})
         await self._close_block()

@@ -144,13 +144,14 @@ def to_chat_messages(body: MessagesRequest) -> list[ChatMessage]:
     system = system_text(body.system)
     if system:
         chat.append({"role": "system", "content": system})
-    for message in body.messages:
+    call_ids: set[str] = set()  # the tool_use blocks of the assistant messages so far
+    for at, message in enumerate(body.messages):
         if isinstance(message.content, str):
             chat.append({"role": message.role, "content": message.content})
             continue
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
-        for block in message.content:
+        for block_at, block in enumerate(message.content):
             match block:
                 case TextBlock(text=text):
                     texts.append(text)
@@ -163,6 +164,11 @@ def to_chat_messages(body: MessagesRequest) -> list[ChatMessage]:
                         }
                     )
                 case ToolResultBlock(tool_use_id=call_id, content=content, is_error=is_error):
+                    if call_id not in call_ids:
+                        raise ValueError(
+                            f"messages.{at}.content.{block_at}: tool_result names tool_use_id {call_id!r}, "
+                            "which no tool_use block of an earlier assistant message has"
+                        )
                     result = _text_of(content)
                     chat.append(
                         {
@@ -176,6 +182,7 @@ def to_chat_messages(body: MessagesRequest) -> list[ChatMessage]:
                 case ThinkingBlock() | RedactedThinkingBlock():
                     pass  # our models' reasoning is not replayed; keeps the prompt stable
         if message.role == "assistant":
+            call_ids.update(call["id"] for call in calls)
             if texts or calls:
                 entry: ChatMessage = {"role": "assistant", "content": "".join(texts)}
                 if calls:
@@ -209,6 +216,8 @@ def tool_choice(choice: ToolChoice | None) -> TurnToolChoice:
         return TurnToolChoice()
     if choice.type == "none":
         return TurnToolChoice("none")
+    if choice.type == "tool" and not choice.name:
+        raise ValueError("tool_choice.name: required when type is tool")
     return TurnToolChoice("required", choice.name if choice.type == "tool" else None)
 
 

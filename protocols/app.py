@@ -15,6 +15,7 @@ from semantic.config import Settings
 from semantic.heap import give_memory_back_when_idle, keep_heap_ready
 from semantic.protocols import admin, agents, anthropic, completions, model_cards, openai, openapi
 from semantic.protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY, SYSTEM_KEY
+from semantic.protocols.connections import body_in_time, requests_in_connection
 from semantic.protocols.errors import errors_in_protocol_shape
 from semantic.protocols.guard import Gate
 from semantic.protocols.metrics import Metrics
@@ -64,7 +65,7 @@ def create_app(config: SystemConfig, settings: Settings | None = None) -> web.Ap
     settings = settings or Settings()
     app = web.Application(
         client_max_size=int(settings.server.max_body_mb * 2**20),
-        middlewares=[errors_in_protocol_shape, observed],
+        middlewares=[requests_in_connection, errors_in_protocol_shape, observed, body_in_time],
     )
     app[SYSTEM_KEY] = AgentSystem(config)
     app[SETTINGS_KEY] = settings

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import errno
+import re
 from collections.abc import Mapping
 
 import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from aiohttp.web_protocol import RequestPayloadError
 from loguru import logger
 
-from semantic.actors.agent_messages import AgentStoppedError, MailboxFullError
-from semantic.actors.model_session import ModelUnavailableError
+from semantic.actors.agent_messages import AgentDeletedError, AgentStoppedError, MailboxFullError
+from semantic.actors.model_session import ModelSwitchForbiddenError, ModelUnavailableError
 from semantic.engine.engine import EngineError
 from semantic.engine.registry import UnknownModelError
 from semantic.storage.persistence import PersistenceStoppedError
@@ -22,11 +25,13 @@ ANTHROPIC_ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "timeout_error",
     413: "request_too_large",
     429: "rate_limit_error",
     500: "api_error",
     503: "overloaded_error",
     504: "timeout_error",
+    507: "api_error",
     529: "overloaded_error",
 }
 
@@ -139,18 +144,46 @@ class Unavailable(ApiError):
     kind = "overloaded_error"
 
 
+class InsufficientStorage(ApiError):
+    """The disk (or the user's quota) is full: nothing the client did, and no retry helps soon."""
+
+    status = 507
+    kind = "insufficient_storage"
+
+
 class InternalError(ApiError):
     status = 500
     kind = "api_error"
+
+
+DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE}
+# Rust's io::Error (safetensors, tokenizers) says "No space left on device (os error 28)".
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def errno_of(error: BaseException) -> int | None:
+    """The OS error number behind `error`: its own, one in a Rust library's message, or its cause's."""
+    for _ in range(8):  # a cause chain is short; a cycle must not loop
+        number = getattr(error, "errno", None)
+        if isinstance(number, int):
+            return number
+        if found := _RUST_OS_ERROR.search(str(error)):
+            return int(found.group(1))
+        if error.__cause__ is None:
+            return None
+        error = error.__cause__
+    return None
 
 
 def as_api_error(error: BaseException) -> ApiError:
     """The one place a failure becomes a status: the same condition gets the same status on every API.
 
     Bad input is 400 (ValueError and its kin: ids, content, templates, prompt length, sampling; JSON
-    nested deeper than the recursion limit);
-    unknown models 404; a full mailbox 429; the model or an agent not available now 503; anything
-    else is our fault: 500, logged with the request id.
+    nested deeper than the recursion limit; a body aiohttp cannot decode);
+    unknown models 404; a full mailbox 429; the model or an agent not available now 503; a full
+    disk 507 and no file descriptors left 503, whoever raised the OSError; anything else is our
+    fault: 500, logged with the request id.
     """
     match error:
         case ApiError():
@@ -159,8 +192,15 @@ def as_api_error(error: BaseException) -> ApiError:
             return NotFound(str(error).strip("'\""))
         case MailboxFullError():
             return Overloaded(str(error), headers={"Retry-After": str(error.retry_after_s)})
+        case ModelSwitchForbiddenError():
+            return Forbidden(str(error))
+        case AgentDeletedError():
+            return ApiError(str(error), status=409)
         case ModelUnavailableError() | AgentStoppedError() | PersistenceStoppedError() | EngineError():
             return Unavailable(str(error), headers={"Retry-After": "5"})
+        case RequestPayloadError():  # a body aiohttp cannot decode (Content-Encoding, chunking)
+            reason = getattr(error.__cause__, "message", None) or str(error)
+            return ApiError(f"request body could not be read: {reason}")
         case msgspec.ValidationError():
             return ApiError(f"invalid request body: {error}")
         case msgspec.DecodeError():
@@ -169,6 +209,13 @@ def as_api_error(error: BaseException) -> ApiError:
             return ApiError(f"request nests JSON too deeply: {error}")
         case ValueError():
             return ApiError(str(error))
+    number = errno_of(error)
+    if number in DISK_FULL:
+        logger.error("the disk is full: {}", error)
+        return InsufficientStorage(f"the server's disk is full: {error}")
+    if number in OUT_OF_DESCRIPTORS:
+        logger.warning("out of file descriptors: {}", error)
+        return Unavailable(f"the server is out of file descriptors: {error}", headers={"Retry-After": "1"})
     logger.opt(exception=error).error("internal error: {}", error)
     return InternalError(f"internal error: {type(error).__name__}: {error}")
 

@@ -22,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 from prometheus_client.registry import Collector
 
 from semantic.actors.system import AgentSystem
+from semantic.protocols.tenancy import require_admin
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -74,6 +75,7 @@ class Metrics:
         self.registry.register(_SystemCollector(system, num_in_flight))
 
     async def handle(self, request: web.Request) -> web.Response:
+        require_admin(request, "read the server's metrics, which show every namespace's activity")
         body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

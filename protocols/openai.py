@@ -139,6 +139,7 @@ class CompletionReply(CollectedReply):
             case ToolCallEnd(name=name, arguments=arguments):
                 self.calls.append(ToolCall(_call_id(), FunctionCall(name, json.dumps(arguments))))
             case Finished():
+                self.started.check_output_complete()
                 self.finished = event
 
     def body(self) -> ChatCompletion:
@@ -183,6 +184,7 @@ class ChatCompletionStream(OpenAIStream[Delta, ChunkChoice]):
         return Delta()
 
     def finish_reason(self, finished: Finished) -> str:
+        self.started.check_output_complete()  # raised before the last chunk: an in-band error instead
         return _finish_reason(finished, self.num_calls > 0)
 
     def choice(self, piece: Delta, finish_reason: str | None, tokens: list[TokenLogprob]) -> ChunkChoice:

@@ -7,14 +7,22 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from semantic.actors.turns import ToolChoice
+from semantic.actors.turns import ToolChoice, UnsupportedContentError
 from semantic.engine.chat_format import ChatMessage as TemplateMessage
 from semantic.protocols.tenancy import CacheSalt
 
+# OpenAI's content part types and roles: any other is refused (400, naming its JSON path), not skipped.
+PartType = Literal["text", "image_url", "input_audio", "file", "refusal"]
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+# Roles chat templates do not know, as the ones they do: `developer` is OpenAI's newer `system`,
+# `function` the deprecated form of `tool`.
+_TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
+
 
 class ContentPart(msgspec.Struct):
-    type: str
+    type: PartType
     text: str | None = None
+    refusal: str | None = None  # an assistant's refusal, in place of its text
 
 
 class FunctionCall(msgspec.Struct):
@@ -29,7 +37,7 @@ class ToolCall(msgspec.Struct):
 
 
 class ChatMessage(msgspec.Struct):
-    role: str
+    role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -105,7 +113,11 @@ class ChatCompletionRequest(msgspec.Struct):
 def _text_of(message: ChatMessage) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
-    return "".join(part.text or "" for part in message.content if part.type == "text")
+    if any(part.type not in ("text", "refusal") for part in message.content):
+        raise UnsupportedContentError(
+            "image, audio and file content parts are not supported: the served model reads text only"
+        )
+    return "".join((part.text if part.type == "text" else part.refusal) or "" for part in message.content)
 
 
 def _arguments(text: str) -> Any:
@@ -118,7 +130,8 @@ def _arguments(text: str) -> Any:
 def to_chat_messages(messages: list[ChatMessage]) -> list[TemplateMessage]:
     chat: list[TemplateMessage] = []
     for message in messages:
-        entry: TemplateMessage = {"role": message.role, "content": _text_of(message)}
+        role = _TEMPLATE_ROLES.get(message.role, message.role)
+        entry: TemplateMessage = {"role": role, "content": _text_of(message)}
         if message.tool_calls:
             entry["tool_calls"] = [
                 {

@@ -25,6 +25,7 @@ from semantic.protocols.common import SETTINGS_KEY, SYSTEM_KEY, SseWriter, json_
 from semantic.protocols.errors import ApiError, as_api_error
 from semantic.protocols.observe import admit, check_bounds, watch
 from semantic.protocols.reasoning import ReasoningSplitter, ThinkingEnd, ThinkingPart, prompt_opens_thinking
+from semantic.protocols.tenancy import is_admin
 from semantic.protocols.tool_parser import ParsedPart, ToolCallParser
 
 KEEPALIVE_S = 5.0
@@ -111,6 +112,7 @@ async def answer_turn(
         num_tools=len(turn.tools or ()),
     )
     admit(request, turn.agent_id)
+    turn.may_switch_model = is_admin(request)  # a switch drains every namespace's requests
     started = await request.app[SYSTEM_KEY].start_turn(turn)
     stream = watch(request, started.stream)
     sse = SseWriter(request, ping_frame) if streaming else None

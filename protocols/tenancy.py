@@ -141,14 +141,21 @@ def _digest(key: str) -> bytes:
 # ---- the edge: what handlers call to turn a client's ids and salt into the caller's ----
 
 
-def require_admin(request: web.Request) -> None:
-    """Loading and unloading models drains every namespace's requests: with a keys file, only keys
-    of the namespaces it lists under `admin` may (403 for the others)."""
+def is_admin(request: web.Request) -> bool:
+    """Whether the caller may act on the whole server: with a keys file, the namespaces it lists
+    under `admin`; without one, every caller (one key or none: one namespace)."""
+    tenant = request.get(TENANT_KEY)
+    return tenant is None or tenant.is_admin
+
+
+def require_admin(request: web.Request, act: str = "load or unload models") -> None:
+    """Acts on the whole server (loading and unloading models drains every namespace's requests;
+    metrics show every namespace's activity): with a keys file, only admin keys (403 for others)."""
     tenant = request.get(TENANT_KEY)
     if tenant is not None and not tenant.is_admin:
         raise Forbidden(
-            f"namespace {tenant.namespace!r} may not load or unload models; the API keys file's "
-            "`admin` lists the namespaces that may"
+            f"namespace {tenant.namespace!r} may not {act}; the API keys file's `admin` lists the "
+            "namespaces that may"
         )
 
 

@@ -90,6 +90,26 @@ SERVER_FLAGS = [
     ("--max-body-mb", "server.max_body_mb", "largest request body, in MiB"),
     ("--request-timeout-s", "server.request_timeout_s", "a generation running longer fails"),
     ("--shutdown-timeout-s", "server.shutdown_timeout_s", "on SIGTERM, how long running requests may finish"),
+    (
+        "--header-timeout-s",
+        "server.header_timeout_s",
+        "a request's head must arrive within this many seconds of its first byte (or of connecting)",
+    ),
+    (
+        "--body-timeout-s",
+        "server.body_timeout_s",
+        "a request's whole body must arrive within this many seconds of its head (else 408)",
+    ),
+    (
+        "--keepalive-timeout-s",
+        "server.keepalive_timeout_s",
+        "close a connection idle this long between requests",
+    ),
+    (
+        "--max-connections",
+        "server.max_connections",
+        "open connections at most; more get 503 (default: 256 under the descriptor limit, at most 1024)",
+    ),
     ("--idle-unload-s", "model.idle_unload_s", "unload the model after this many idle seconds"),
     (
         "--swap-drain-timeout-s",

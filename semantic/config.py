@@ -37,6 +37,12 @@ class ServerSection(_Section):
     max_body_mb: Positive = 32.0
     request_timeout_s: Positive = 600.0
     shutdown_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
+    # A client's head comes in one write: 10 s is slack for a slow link, short for a held socket.
+    header_timeout_s: Positive = 10.0
+    body_timeout_s: Positive = 30.0  # the whole body: 32 MB (max_body_mb) at ~1 MB/s
+    # Clients' pools reuse a connection within seconds (httpx drops idle ones after 5 s).
+    keepalive_timeout_s: Positive = 15.0
+    max_connections: PositiveInt | None = None  # None: under the descriptor limit (connections.py)
 
 
 class ModelSection(_Section):

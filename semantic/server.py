@@ -37,6 +37,7 @@ from semantic.engine.lockstep import Follower, GroupDivergedError
 from semantic.engine.registry import ModelEntry
 from semantic.protocols.app import create_app
 from semantic.protocols.common import GATE_KEY, SYSTEM_KEY
+from semantic.protocols.connections import CappedSite
 from semantic.storage.shard_files import ShardFiles
 
 HANDLER_GRACE_S = 5.0  # after the engine is drained, for handlers to write their last events
@@ -44,9 +45,15 @@ HANDLER_GRACE_S = 5.0  # after the engine is drained, for handlers to write thei
 
 async def serve_until_signalled(config: SystemConfig, settings: Settings) -> int:
     app = create_app(config, settings)
-    runner = web.AppRunner(app, handler_cancellation=True, handle_signals=False, shutdown_timeout=2.0)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        handle_signals=False,
+        shutdown_timeout=2.0,
+        keepalive_timeout=settings.server.keepalive_timeout_s,
+    )
     await runner.setup()
-    site = web.TCPSite(runner, settings.server.host, settings.server.port)
+    site = CappedSite(runner, settings.server)  # the connection cap and head deadline
     await site.start()
     logger.info("serving on http://{}:{}", settings.server.host, settings.server.port)
 
@@ -79,6 +86,7 @@ async def serve_until_signalled(config: SystemConfig, settings: Settings) -> int
         return EXIT_GROUP_LOST
 
     gate.is_shutting_down = True
+    system.models.begin_shutdown()  # a swap under way loads nothing; requests waiting on it get 503
     timeout_s = settings.server.shutdown_timeout_s
     if system.engine.loaded is not None and system.engine.is_running:
         num_cancelled = await system.engine.ask(Drain(timeout_s, "the server is shutting down"))

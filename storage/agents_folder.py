@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from loguru import logger
 
 from semantic.actors.agent_id import AgentId, InvalidAgentIdError
 from semantic.engine.cache_tensors import SerializedCache, tokens_digest
-from semantic.storage.cache_file import CacheIdentity, read_cache_file, read_stated_tokens
+from semantic.storage.cache_file import CacheIdentity, is_temp_name, read_cache_file, read_stated_tokens
 from semantic.storage.disk_budget import CacheFileUse
 
 SUFFIX = ".safetensors"
@@ -40,16 +41,18 @@ class DiskEntry:
 
 def scan_folder(agents_dir: Path) -> tuple[dict[AgentId, DiskEntry], dict[AgentId, CacheFileUse]]:
     """Worker thread, at start: index the folder (and its cache files' sizes and last uses) and
-    remove temp files a crash left behind."""
+    remove the temp files and staging folders a crash left behind, which the disk budget counts
+    only while their write runs."""
     index: dict[AgentId, DiskEntry] = {}
     uses: dict[AgentId, CacheFileUse] = {}
     if not agents_dir.exists():
         return index, uses
+    num_freed_bytes, num_removed = 0, 0
     for path in agents_dir.iterdir():
         name = path.name
-        if name.startswith(".") and name.endswith(".tmp"):
-            logger.info("removing {}, left by an interrupted write", name)
-            path.unlink(missing_ok=True)
+        if is_temp_name(name):
+            num_freed_bytes += remove_temp(path)
+            num_removed += 1
             continue
         for suffix in (SUFFIX, CONVERSATION_SUFFIX):
             if not name.endswith(suffix):
@@ -66,7 +69,25 @@ def scan_folder(agents_dir: Path) -> tuple[dict[AgentId, DiskEntry], dict[AgentI
             else:
                 entry.has_conversation = True
             break
+    if num_removed:
+        logger.info(
+            "removed {} temp files left by interrupted writes: {:.1f} MiB freed",
+            num_removed,
+            num_freed_bytes / 2**20,
+        )
     return index, uses
+
+
+def remove_temp(path: Path) -> int:
+    """Remove what an interrupted write left (a staging folder and the files in it, or a file);
+    the bytes it held on the disk (safetensors sizes its temp file in full before it writes)."""
+    if path.is_symlink() or not path.is_dir():
+        num_bytes = path.lstat().st_blocks * 512
+        path.unlink(missing_ok=True)
+        return num_bytes
+    num_bytes = sum(inner.lstat().st_blocks * 512 for inner in path.iterdir())
+    shutil.rmtree(path, ignore_errors=True)
+    return num_bytes
 
 
 def ignores_case(folder: Path) -> bool:

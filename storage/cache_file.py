@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from safetensors.numpy import load_file, save_file
 
 from semantic.engine.cache_tensors import SerializedCache, tokens_digest
 from semantic.engine.loading import LoadedModel
+from semantic.storage.disk_full import as_disk_full, os_error_in
 
 FORMAT_VERSION = "2"
 READABLE_VERSIONS = ("1", "2")  # 1 differs only in its checksum (SHA-256)
@@ -65,23 +68,58 @@ def _checksum(tensors: dict[str, np.ndarray], format_version: str = FORMAT_VERSI
     return str(digest.hexdigest())
 
 
+TEMP_SUFFIX = ".tmp"
+# safetensors' save_file (0.8.0) writes through a temp file of its own in its target's folder, named
+# as the Rust tempfile crate names them: ".tmp" and six letters or digits. Ours land in our staging
+# folders; this pattern is for those an older writer left in the agents' folder.
+SAFETENSORS_TEMP_NAME = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+
+
+def is_temp_name(name: str) -> bool:
+    """A name only an interrupted write leaves: a staging folder (or, from older writers, a temp
+    file) `.{name}.{pid}.tmp`, or safetensors' own `.tmpXXXXXX`."""
+    return name.startswith(".") and (
+        name.endswith(TEMP_SUFFIX) or SAFETENSORS_TEMP_NAME.fullmatch(name) is not None
+    )
+
+
 def replace_atomically(path: Path, write: Callable[[Path], object]) -> None:
-    """Write through a temp file, fsync it, rename it over `path`, fsync the directory."""
+    """Write `path` whole or not at all: into a staging folder beside it, fsync, rename over `path`,
+    fsync the directory. The folder (`.{name}.{pid}.tmp`) is the only name a crash can leave, as the
+    temp file a library makes next to its target lands inside it; a failed write removes it. A
+    full disk raises DiskFullError."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    staging = path.with_name(f".{path.name}.{os.getpid()}{TEMP_SUFFIX}")
+    staged = staging / path.name
     try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
+        staging.mkdir(exist_ok=True)  # a crashed process of the same pid may have left it
+        write(staged)
+        with open(staged, "rb+") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(staged, path)
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    except OSError as error:
+        disk_full = as_disk_full(error, path.name)
+        if disk_full is error:
+            raise
+        raise disk_full from error
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _save_file(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, with the OS errors it reports as its own type raised as OSErrors."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as error:
+        os_error = os_error_in(error, path.name)
+        if os_error is None:
+            raise
+        raise os_error from error
 
 
 def write_cache_file(path: Path, cache: SerializedCache, identity: CacheIdentity) -> tuple[int, str]:
@@ -103,7 +141,7 @@ def write_cache_file(path: Path, cache: SerializedCache, identity: CacheIdentity
         "layout": identity.layout,
         "checksum": _checksum(tensors),
     }
-    replace_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    replace_atomically(path, lambda staged: _save_file(tensors, staged, metadata))
     return path.stat().st_size, digest
 
 

@@ -24,10 +24,13 @@ class CacheFileUse:
 class DiskBudget:
     max_bytes: int | None  # None: no limit
     files: dict[AgentId, CacheFileUse] = field(default_factory=dict)
+    # A cache file being written is on the disk already, beside the file it replaces: counted until
+    # then (its rename, or its removal when the write fails), so room is made before it is written.
+    num_writing_bytes: int = 0
 
     @property
     def num_bytes(self) -> int:
-        return sum(use.num_bytes for use in self.files.values())
+        return sum(use.num_bytes for use in self.files.values()) + self.num_writing_bytes
 
     def fits(self, num_bytes: int) -> bool:
         """Whether a file this large can be kept at all (with every other file deleted)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -50,7 +51,11 @@ from semantic.storage.persistence_messages import (
     SaveCaches,
     SaveConversation,
     StopPersistence,
+    WriteCache,
 )
+
+# Deletes remembered, so that a cache copied before its agent was deleted is not written after.
+MAX_TOMBSTONES = 4096
 
 
 class PersistenceStoppedError(RuntimeError):
@@ -76,6 +81,7 @@ class PersistenceActor:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semantic-persist")
         self._task: asyncio.Task[None] | None = None
         self._index: dict[AgentId, DiskEntry] = {}  # owned by the actor's task
+        self._deleted_at: OrderedDict[AgentId, float] = OrderedDict()  # monotonic, the newest last
         self.ignores_case = ignores_case
         self.num_writes = 0
         self.num_loads = 0
@@ -101,9 +107,20 @@ class PersistenceActor:
             self._task = None
         await asyncio.to_thread(self._executor.shutdown, wait=True)
 
-    async def save(self, caches: list[SerializedCache]) -> list[AgentId]:
-        """Write caches; returns the agents written. A failed write is logged and leaves no file."""
-        written: list[AgentId] = await self._ask(SaveCaches(caches))
+    async def save(self, caches: list[SerializedCache], taken_at: float | None = None) -> list[AgentId]:
+        """Write caches copied out of memory at `taken_at` (monotonic; None: now); returns the
+        agents written. A failed write (a full disk, any error) is logged, leaves the file it would
+        have replaced, and the next cache is still written. An agent deleted after `taken_at` is
+        not written: a copy that was on its way must not bring it back."""
+        taken_at = time.monotonic() if taken_at is None else taken_at
+        written: list[AgentId] = await self._ask(SaveCaches(caches, taken_at))
+        return written
+
+    async def write(self, cache: SerializedCache) -> bool:
+        """Write one cache; False where it is not to be written (larger than the disk budget, a
+        case twin's). A failed write raises (DiskFullError when the disk is full), leaving the file
+        it would have replaced."""
+        written: bool = await self._ask(WriteCache(cache))
         return written
 
     async def load(self, agent_id: AgentId) -> SerializedCache | None:
@@ -181,11 +198,20 @@ class PersistenceActor:
         if isinstance(message, NAMES_ONE_AGENT):
             refuse_case_twin(message.agent_id, self._index, bool(self.ignores_case))
         match message:
-            case SaveCaches(caches=caches):
-                return [agent_id for cache in caches if (agent_id := await self._save(cache)) is not None]
+            case SaveCaches(caches=caches, taken_at=taken_at):
+                kept = [cache for cache in caches if not self._deleted_since(cache.agent_id, taken_at)]
+                return [
+                    agent_id for cache in kept if (agent_id := await self._save_or_log(cache)) is not None
+                ]
+            case WriteCache(cache=cache):
+                return await self._save(cache) is not None
             case LoadCache(agent_id=agent_id):
                 return await self._load(agent_id)
             case DeleteAgent(agent_id=agent_id):
+                self._deleted_at.pop(agent_id, None)
+                self._deleted_at[agent_id] = time.monotonic()
+                if len(self._deleted_at) > MAX_TOMBSTONES:
+                    self._deleted_at.popitem(last=False)
                 self._index.pop(agent_id, None)
                 self.disk_budget.forget(agent_id)
                 await self._io(unlink, self.path_for(agent_id), self.conversation_path_for(agent_id))
@@ -207,7 +233,22 @@ class PersistenceActor:
             case StopPersistence():
                 return None
 
+    def _deleted_since(self, agent_id: str, taken_at: float) -> bool:
+        deleted_at = self._deleted_at.get(AgentId(agent_id))
+        if deleted_at is None or deleted_at < taken_at:
+            return False
+        logger.info("not writing the cache of agent {}: deleted after it was copied", agent_id)
+        return True
+
+    async def _save_or_log(self, cache: SerializedCache) -> AgentId | None:
+        try:
+            return await self._save(cache)
+        except Exception as error:  # one agent's failure must not keep the next from disk
+            logger.error("could not write the cache of agent {}: {}", cache.agent_id, error)
+            return None
+
     async def _save(self, cache: SerializedCache) -> AgentId | None:
+        """Write one cache; None where it is not to be written. A failed write raises."""
         agent_id = AgentId(cache.agent_id)
         if (other := case_twin(agent_id, self._index, bool(self.ignores_case))) is not None:
             logger.warning("not writing the cache of {}: its file is {}'s on this disk", agent_id, other)
@@ -221,13 +262,14 @@ class PersistenceActor:
             )
             return None
         start = time.perf_counter()
+        self.disk_budget.num_writing_bytes = num_bytes
         try:
+            await self._keep_within_budget(keep=agent_id)  # room for the file while it is written
             num_bytes, digest = await self._io(
                 write_cache_file, self.path_for(agent_id), cache, self.identity
             )
-        except OSError as error:
-            logger.error("could not write the cache of agent {}: {}", agent_id, error)
-            return None
+        finally:
+            self.disk_budget.num_writing_bytes = 0
         seconds = time.perf_counter() - start
         entry = self._index.setdefault(agent_id, DiskEntry())
         entry.holds_cache(cache.num_tokens, digest)

@@ -11,7 +11,17 @@ from semantic.storage.conversation_file import ConversationRecord
 
 @dataclass(frozen=True, slots=True)
 class SaveCaches:
+    """Caches copied out of memory at `taken_at` (monotonic): an agent deleted since is not written."""
+
     caches: list[SerializedCache]
+    taken_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class WriteCache:
+    """One cache, whose write failure goes to the asker (an evict keeps the cache in memory then)."""
+
+    cache: SerializedCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +65,7 @@ class StopPersistence:
 
 PersistenceMessage = (
     SaveCaches
+    | WriteCache
     | LoadCache
     | DeleteAgent
     | SaveConversation

@@ -6,6 +6,7 @@ to the Anthropic, OpenAI and direct agent APIs.
 
 from __future__ import annotations
 
+import errno
 import json
 import socket
 import urllib.error
@@ -15,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors import SafetensorError
 
+from semantic.protocols.errors import api_error_response, as_api_error
 from tests.server_process import ServerProcess
 from tests.waiting import wait_until
 
@@ -231,3 +234,50 @@ def test_a_prompt_past_the_context_says_prompt_is_too_long(server: ServerProcess
     message = message_of("anthropic", reply)
     assert status == 400 and message.startswith("prompt is too long: "), reply
     assert message.endswith(" tokens > 8192 maximum") and int(message.split()[4]) > 8192
+
+
+class _WriteFailed(OSError):
+    """A library's own OSError subclass, as storage code may raise."""
+
+
+def _raised_from(cause: BaseException) -> RuntimeError:
+    try:
+        raise RuntimeError("could not write the cache file") from cause
+    except RuntimeError as error:
+        return error
+
+
+# What a full disk or a process out of descriptors raises, as it reaches a handler.
+OS_FAILURES = [
+    (OSError(errno.ENOSPC, "No space left on device"), 507),
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), 507),
+    (_WriteFailed(errno.ENOSPC, "No space left on device"), 507),
+    (_raised_from(OSError(errno.ENOSPC, "No space left on device")), 507),
+    # safetensors' save_file on a full tmpfs (0.8): a Rust io::Error in the message, no errno
+    (SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"), 507),
+    (OSError(errno.EMFILE, "Too many open files"), 503),
+    (OSError(errno.ENFILE, "Too many open files in system"), 503),
+]
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize(("error", "status"), OS_FAILURES)
+def test_a_full_disk_is_507_and_no_descriptors_is_503_with_retry_after(
+    api: str, error: BaseException, status: int
+) -> None:
+    path, _ = turn_request(api)
+    response = api_error_response(path, as_api_error(error))
+    assert isinstance(response.body, bytes)
+    body = json.loads(response.body)
+    assert response.status == status
+    message = message_of(api, body)
+    assert ("disk is full" if status == 507 else "out of file descriptors") in message
+    if status == 503:
+        assert response.headers["Retry-After"] == "1"
+    kind = body["error"]["type"]
+    if api == "anthropic":
+        assert kind == ("api_error" if status == 507 else "overloaded_error")
+    else:
+        assert kind == ("insufficient_storage" if status == 507 else "overloaded_error")
+    if api == "openai":
+        assert body["error"]["code"] == str(status)

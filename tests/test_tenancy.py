@@ -121,11 +121,14 @@ TERSE = {"system": long_system("You are terse")}
 
 @pytest.fixture(scope="module")
 def keyed_server(
-    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    default_model_dir: Path, tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     base = tmp_path_factory.mktemp("tenancy")
     server = ServerProcess(
-        base / "cache", *server_args(default_model_dir, keys_file(base / "keys.toml"))
+        base / "cache",
+        *server_args(default_model_dir, keys_file(base / "keys.toml")),
+        "--add-model",
+        f"tiny={tiny_model_dirs['qwen2']}",
     ).start()
     yield server
     server.stop()
@@ -243,6 +246,44 @@ def test_only_admin_namespaces_load_or_unload_models(keyed_server: ServerProcess
         assert "namespace 'bob' may not load or unload models" in refused["error"]["message"]
     status, reply = api(keyed_server, "POST", "/admin/models/load", {"model": "no-such-model"}, key=ALICE)
     assert status == 404, reply
+
+
+def test_a_plain_key_cannot_switch_the_model_through_any_route(keyed_server: ServerProcess) -> None:
+    """Today's main: bob's chat request naming another configured model swapped it, and the drain
+    cancelled every other namespace's streams. A switch is an admin act whichever route asks."""
+    loaded = api(keyed_server, "GET", "/health/ready", key=None)[1]["model"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+    attempts = [
+        ("/v1/chat/completions", chat),
+        ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2}),
+        ("/v1/messages", chat),
+        ("/v1/messages/count_tokens", {"model": "tiny", "messages": chat["messages"]}),
+        ("/v1/agents", {"id": "switcher", "model": "tiny"}),
+    ]
+    for path, body in attempts:
+        status, refused = api(keyed_server, "POST", path, body, key=BOB)
+        assert status == 403, (path, refused)
+        assert "may not switch models" in json.dumps(refused), (path, refused)
+        assert api(keyed_server, "GET", "/health/ready", key=None)[1]["model"] == loaded
+    agent_turn(keyed_server, "bobs-agent", "Hi.", key=BOB)
+    status, refused = api(
+        keyed_server, "POST", "/v1/agents/bobs-agent/messages", {"content": "Hi.", "model": "tiny"}, key=BOB
+    )
+    assert status == 403, refused
+    # Naming the loaded model is no switch, on any key.
+    assert api(keyed_server, "POST", "/v1/chat/completions", {**chat, "model": loaded}, key=BOB)[0] == 200
+    assert api(keyed_server, "GET", "/health/ready", key=None)[1]["model"] == loaded
+
+
+def test_metrics_show_every_namespace_so_only_admin_keys_read_them(keyed_server: ServerProcess) -> None:
+    """Today's main: any key read the whole server's activity at /metrics."""
+    request = urllib.request.Request(keyed_server.base_url + "/metrics", headers={"x-api-key": BOB})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 403
+    request = urllib.request.Request(keyed_server.base_url + "/metrics", headers={"x-api-key": ALICE})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert reply.status == 200 and b"semantic_" in reply.read()
 
 
 def test_shared_prefix_blocks_when_the_operator_allows_and_namespaces_survive_a_restart(
