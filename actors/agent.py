@@ -28,6 +28,7 @@ from semantic.actors.agent_messages import (
     AgentStoppedError,
     EvictCache,
     ForgetAgent,
+    IfExists,
     MailboxFullError,
     OpenConversation,
     StartTurn,
@@ -328,7 +329,7 @@ class AgentActor:
         await self._engine.ask(DropCache(self.agent_id, keeps_files=True))
         return True
 
-    async def _open(self, system_prompt: str | None, if_exists: str) -> None:
+    async def _open(self, system_prompt: str | None, if_exists: IfExists) -> None:
         """Start the kept conversation, after checking in this one step whether the agent exists
         (so two creates, or a create beside a first turn, cannot both succeed)."""
         session = await self._models.ready()

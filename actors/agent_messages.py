@@ -8,6 +8,7 @@ from typing import Literal
 from semantic.actors.turns import TurnRequest
 
 RETRY_AFTER_S = 1
+IfExists = Literal["refuse", "resume", "reset"]  # what a create does where the agent exists
 
 
 class MailboxFullError(RuntimeError):
@@ -50,7 +51,7 @@ class OpenConversation:
     keeps its history, `reset` starts it afresh."""
 
     system: str | None
-    if_exists: Literal["refuse", "resume", "reset"] = "refuse"
+    if_exists: IfExists = "refuse"
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,11 +13,10 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
 
 from semantic.actors.agent import AgentActor
 from semantic.actors.agent_id import AgentId
-from semantic.actors.agent_messages import EvictCache, OpenConversation, StartTurn
+from semantic.actors.agent_messages import EvictCache, IfExists, OpenConversation, StartTurn
 from semantic.actors.handle import AgentHandle
 from semantic.actors.history_marks import HistoryMarks
 from semantic.actors.models import ModelHost
@@ -170,7 +169,7 @@ class AgentSystem:
         self,
         agent_id: AgentId,
         system_prompt: str | None,
-        if_exists: Literal["refuse", "resume", "reset"] = "refuse",
+        if_exists: IfExists = "refuse",
     ) -> None:
         """Create an agent's kept conversation with a system prompt; where the agent exists already,
         `if_exists` says what happens (refuse: AgentExistsError). A system prompt that alone is
