@@ -61,6 +61,7 @@ async def build_request(
         model_fingerprint=session.loaded.fingerprint,
         cache_salt=turn.cache_salt,
         continues_text=prompt.is_raw or bool(turn.prefill),
+        shared_head_tokens=prompt.shared_head_tokens,
     )
     if prompt.grammar is not None:
         compile_grammar = session.grammars.matcher

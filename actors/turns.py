@@ -124,6 +124,7 @@ class PreparedPrompt:
     tool_format: ToolFormat = HERMES  # how the model writes calls, for the reply's tool-call parser
     tools: list[dict[str, Any]] | None = None  # the request's tools: parsers type arguments by them
     is_raw: bool = False  # a completion of raw text or tokens: its reply is all plain text
+    shared_head_tokens: int = 0  # its leading system prompt and tools, which other agents may share
 
 
 @dataclass(slots=True)
@@ -189,9 +190,11 @@ def prepare_stateless(
     parses_tools = turn.tools is not None and turn.tool_choice.mode != "none"
     stop_after_call = chat.tool_call_closer if prefix else None
     grammar = output_grammar(chat, turn, forced)
+    token_ids = chat.encode(text)
     return PreparedPrompt(
-        chat.encode(text), prefix, parses_tools, text[-512:], stop_after_call, grammar,
+        token_ids, prefix, parses_tools, text[-512:], stop_after_call, grammar,
         tool_format=chat.tool_format, tools=turn.tools,
+        shared_head_tokens=chat.head_length(turn.messages, turn.tools, text, token_ids),
     )  # fmt: skip
 
 
@@ -238,4 +241,7 @@ def prepare_continuation(
     suffix = chat.continuation(system, turn.messages) if history else chat.opening(system, turn.messages)
     if bound is not None:
         bound.refuse_obviously_long(suffix, num_kept_tokens=len(history))
-    return PreparedPrompt(history + chat.encode(suffix), "", False, suffix[-512:])
+    token_ids = history + chat.encode(suffix)
+    head = [{"role": "system", "content": system}] if system else []
+    shared_head = chat.head_length(head, None, suffix, token_ids) if not history else 0
+    return PreparedPrompt(token_ids, "", False, suffix[-512:], shared_head_tokens=shared_head)

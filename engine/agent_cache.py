@@ -4,37 +4,48 @@ Runs on the engine thread only. An agent's cache is its token ids plus pool bloc
 are hashed (parent hash + tokens, the chain rooted in the request's cache salt) and shared by
 every agent with the same prefix and salt; the last, partial block is private. An agent reuses
 its own cache whatever the salt: agent ids are already scoped per namespace at the edge. A block's
-payload holds, for each full-attention layer, that block's keys and values. Sliding-window
-layers cannot be cut at an arbitrary token, so their state is kept as a snapshot taken where the
-agent's tokens end and reused only by a prompt that extends all of those tokens.
+payload holds, for each attention layer, that block's keys and values (None for a sliding layer
+whose window had passed the block when it was filed). A turn resumes at any token of its agent's
+cache (a new agent at a shared block boundary) where every sliding layer's blocks hold the window
+before that token, so a sliding-window model reuses what a full-attention one does whenever the
+prompt diverges near the end (a reply that does not re-tokenize the same), and shares prefixes.
+Recurrent layers (Mamba, Gated DeltaNet, convolutions) cannot be cut back at all: their state is
+kept as snapshots (`StatePoint`) where turns end, and a turn resumes only at one of those.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 from loguru import logger
 
-from semantic.engine.block_filing import file_blocks, publish_blocks
+from semantic.engine.block_filing import file_blocks, fill_missing, publish_blocks
 from semantic.engine.block_pool import BlockPool, hash_prefix_blocks
 from semantic.engine.cache_matching import ANONYMOUS_PREFIX, common_prefix_length, is_anonymous
 from semantic.engine.cache_spec import ModelCacheSpec
-from semantic.engine.cache_tensors import CacheSnapshot, HostSnapshot
+from semantic.engine.cache_tensors import CacheSnapshot, HostSnapshot, LayerKV, StatePoint
 from semantic.engine.errors import PoolExhaustedError
 from semantic.engine.layer_caches import (
     BlockCodec,
     HistoryKVCache,
-    full_layers_of,
-    kv_of,
+    attention_kv_of,
+    can_resume_at,
+    kv_run,
     layer_caches,
-    rotating_can_trim,
-    sliding_state,
+    state_point_of,
+    window_start,
 )
+
+# Shared recurrent states kept at once: each is one sequence's whole state (tens of MB in a large
+# hybrid model), and a few system prompts are what agents share.
+MAX_SHARED_STATES = 16
 
 
 @dataclass(slots=True)
@@ -42,7 +53,8 @@ class AgentCache:
     agent_id: str
     token_ids: list[int]
     block_ids: list[int]
-    sliding_states: list[tuple[Any, ...]]
+    state_points: list[StatePoint] = field(default_factory=list)  # recurrent models: where turns may resume
+    state_block_ids: list[int] = field(default_factory=list)  # the pool blocks charged for them
     last_used: float = field(default_factory=time.monotonic)
     num_running: int = 0
     salt: str | None = None  # the cache salt its full blocks are filed under
@@ -51,6 +63,26 @@ class AgentCache:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SharedState:
+    """Where other agents' prompts are expected to resume: a block boundary, with the recurrent
+    state there (charged `block_ids` in the pool; None for a model without recurrent layers). The
+    sliding layers of the blocks in the window before it are kept for it."""
+
+    point: StatePoint | None
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """What a prompt's prefill held where it stopped at a segment's end: its recurrent state and
+    its attention layers' runs (`kv_run`: a sliding layer's window before `num_tokens`)."""
+
+    num_tokens: int
+    state: StatePoint | None
+    kv_runs: list[tuple[Any, Any, int]]
 
 
 @dataclass(slots=True)
@@ -79,17 +111,27 @@ class AgentCacheStore:
         self.held_agent_ids: frozenset[str] = frozenset()
         # Evicted caches wait here until the engine hands them to persistence.
         self.evicted: list[CacheSnapshot] = []
+        # Recurrent states kept where prompts other agents share end, by that block's chained hash.
+        self.shared_states: OrderedDict[bytes, SharedState] = OrderedDict()
         self._anonymous_ids = itertools.count()
 
     def resolve_agent_id(self, agent_id: str | None, prompt: list[int], salt: str | None = None) -> str:
-        """An explicit id wins; otherwise the cached agent (same salt) whose tokens the prompt extends."""
+        """An explicit id wins; otherwise the cached agent (same salt) whose tokens the prompt extends,
+        or, for a model with recurrent layers, the one it can resume the most of: a client that sends
+        its whole conversation back re-renders the last reply, which may not re-tokenize the same,
+        and only the agent's own states (where its prompt ended) let the turn resume short of the
+        end (a full-attention or sliding model resumes from the shared blocks instead)."""
         if agent_id is not None:
             return agent_id
         best, best_len = None, 0
         for agent in self.agents.values():
             if is_anonymous(agent.agent_id) and agent.num_running == 0 and agent.salt == salt:
                 shared = common_prefix_length(agent.token_ids, prompt)
-                if shared == agent.num_tokens and shared > best_len:
+                if shared < agent.num_tokens and self.spec.has_state_layers:
+                    shared = self._resume_point(agent, min(shared, len(prompt) - 1))
+                elif shared < agent.num_tokens:
+                    continue
+                if shared > best_len:
                     best, best_len = agent.agent_id, shared
         return best or f"{ANONYMOUS_PREFIX}{next(self._anonymous_ids)}"
 
@@ -101,46 +143,51 @@ class AgentCacheStore:
         agent.last_used = time.monotonic()
         shared = common_prefix_length(agent.token_ids, prompt)
         # At least one prompt token must be prefilled to produce the next token's logits.
-        num_reused = min(shared, len(prompt) - 1)
-        divergence = shared if shared < agent.num_tokens else None
-        if divergence is not None:
+        num_reused = self._resume_point(agent, min(shared, len(prompt) - 1))
+        if shared < agent.num_tokens or num_reused < min(shared, len(prompt) - 1):
             logger.info(
-                "agent {} prompt diverges from its cache at token {} (block {}) of {}",
+                "agent {} prompt diverges from its cache at token {} (block {}) of {}; resumes at {}",
                 agent_id,
-                divergence,
-                divergence // self.spec.block_size,
+                shared,
+                shared // self.spec.block_size,
                 agent.num_tokens,
+                num_reused,
             )
-        if self.spec.has_sliding_layers and num_reused < agent.num_tokens:
-            trim = agent.num_tokens - num_reused
-            if not all(rotating_can_trim(state, trim) for state in agent.sliding_states):
-                logger.info(
-                    "agent {}: full prefill; sliding-window layers cannot drop the last {} cached tokens",
-                    agent_id,
-                    trim,
-                )
-                return PreparedPrompt(agent_id, self._new_caches(), 0, "none")
         caches = self._build_caches(agent, num_reused, len(prompt))
         tier = ("disk" if agent.from_disk else "memory") if num_reused else "none"
         agent.from_disk = False
         return PreparedPrompt(agent_id, caches, num_reused, tier)
 
+    def _resume_point(self, agent: AgentCache, limit: int) -> int:
+        """The most tokens of the agent's cache, at most `limit`, that a turn can start from: any
+        token of a full-attention model's; where sliding layers still hold the window before it; and
+        for recurrent layers, a point where their state was kept."""
+        spec = self.spec
+        if spec.has_state_layers:
+            own = {p.num_tokens for p in agent.state_points if p.num_tokens <= limit}
+            shared = {n for n, p in self._shared_points(agent.token_ids[:limit], agent.salt) if p is not None}
+            candidates = sorted(own | shared, reverse=True)
+        elif spec.has_sliding_layers:
+            boundaries = range(limit // spec.block_size * spec.block_size, 0, -spec.block_size)
+            candidates = [limit, *boundaries]
+        else:
+            return limit
+        for candidate in candidates:
+            if candidate and can_resume_at(
+                self.pool, self.codec, spec, agent.block_ids, candidate, agent.num_tokens
+            ):
+                return candidate
+        return 0
+
     def num_reusable(self, agent_id: str | None, prompt: list[int], salt: str | None = None) -> int:
         """How many leading prompt tokens `prepare` would take from memory (for scheduling)."""
         agent = self.agents.get(agent_id) if agent_id is not None else None
         if agent is None:
-            return len(self._shared_block_ids(prompt, salt)) * self.spec.block_size
-        return min(common_prefix_length(agent.token_ids, prompt), len(prompt) - 1)
-
-    def _shared_block_ids(self, prompt: list[int], salt: str | None) -> list[int]:
-        """The pool's full blocks that hold `prompt`'s leading tokens (none for sliding-window models)."""
-        # Not the last prompt token: at least one must be prefilled for the next token's logits.
-        return self.held_block_ids(prompt[:-1], salt)
+            return self._shared_prefix_length(prompt, salt)[0]
+        return self._resume_point(agent, min(common_prefix_length(agent.token_ids, prompt), len(prompt) - 1))
 
     def held_block_ids(self, token_ids: list[int], salt: str | None) -> list[int]:
-        """The pool's full blocks that hold `token_ids`' leading tokens (none for sliding-window models)."""
-        if self.spec.has_sliding_layers:
-            return []
+        """The pool's full blocks that hold `token_ids`' leading tokens."""
         size = self.spec.block_size
         block_ids: list[int] = []
         for index, block_hash in enumerate(hash_prefix_blocks(token_ids, size, salt)):
@@ -150,14 +197,73 @@ class AgentCacheStore:
             block_ids.append(block_id)
         return block_ids
 
+    def _shared_prefix_length(self, prompt: list[int], salt: str | None) -> tuple[int, list[int]]:
+        """The most leading tokens of `prompt` a new agent can start from in blocks other agents
+        published under `salt` (a block boundary where every layer can resume), and those blocks."""
+        # Not the last prompt token: at least one must be prefilled for the next token's logits.
+        block_ids = self.held_block_ids(prompt[:-1], salt)
+        size = self.spec.block_size
+        if self.spec.has_state_layers:
+            shared = self._shared_points(prompt[: len(block_ids) * size], salt)
+            candidates = [n for n, p in shared if p is not None]
+        else:
+            candidates = [n * size for n in range(len(block_ids), 0, -1)]
+        for num_tokens in candidates:
+            if can_resume_at(self.pool, self.codec, self.spec, block_ids, num_tokens, len(block_ids) * size):
+                return num_tokens, block_ids[: num_tokens // size]
+        return 0, []
+
+    def _shared_points(self, token_ids: list[int], salt: str | None) -> list[tuple[int, StatePoint | None]]:
+        """The shared states kept at block boundaries of `token_ids`, latest first (each as its
+        token count and state; using one makes it the most recently used)."""
+        if not self.shared_states:
+            return []
+        size = self.spec.block_size
+        found = []
+        for index, block_hash in enumerate(hash_prefix_blocks(token_ids, size, salt)):
+            shared = self.shared_states.get(block_hash)
+            if shared is not None:
+                found.append(((index + 1) * size, shared.point))
+        return found[::-1]
+
+    def share_checkpoint(self, token_ids: list[int], checkpoint: Checkpoint, salt: str | None) -> None:
+        """Keep what resuming at the end of `token_ids` (a block boundary whose blocks the pool holds)
+        takes, for other agents' prompts that start with them: the sliding layers of the blocks in
+        the window before it, and the recurrent state there, if the pool has free blocks for them;
+        the least recently kept goes past MAX_SHARED_STATES."""
+        size, spec = self.spec.block_size, self.spec
+        num_blocks = len(token_ids) // size
+        if len(token_ids) % size or not num_blocks or checkpoint.num_tokens != len(token_ids):
+            return
+        block_ids = self.held_block_ids(token_ids, salt)
+        if len(block_ids) < num_blocks:
+            return
+        if spec.has_sliding_layers:
+            first = max(0, len(token_ids) - (spec.sliding_window or 0)) // size
+            for index in range(first, num_blocks):
+                fill_missing(self.pool, block_ids[index], checkpoint.kv_runs, index * size, self.codec.encode)
+        block_hash = hash_prefix_blocks(token_ids, size, salt)[-1]
+        num_charged = spec.num_blocks_per_state if checkpoint.state is not None else 0
+        if block_hash in self.shared_states or not self.pool.can_allocate(num_charged):
+            return
+        self.shared_states[block_hash] = SharedState(checkpoint.state, self.pool.allocate(num_charged))
+        while len(self.shared_states) > MAX_SHARED_STATES:
+            self.drop_shared_state()
+
+    def drop_shared_state(self) -> bool:
+        """Drop the least recently kept shared state; whether there was one."""
+        if not self.shared_states:
+            return False
+        _, shared = self.shared_states.popitem(last=False)
+        self.pool.free(shared.block_ids)
+        return True
+
     def _prepare_shared_prefix(self, agent_id: str, prompt: list[int], salt: str | None) -> PreparedPrompt:
-        """A new agent still reuses full blocks another agent published under the same salt
-        (full-attention models)."""
-        block_ids = self._shared_block_ids(prompt, salt)
-        if not block_ids:
+        """A new agent still reuses full blocks another agent published under the same salt."""
+        num_reused, block_ids = self._shared_prefix_length(prompt, salt)
+        if not num_reused:
             return PreparedPrompt(agent_id, self._new_caches(), 0, "none")
-        num_reused = len(block_ids) * self.spec.block_size
-        probe = AgentCache(agent_id, prompt[:num_reused], block_ids, [])
+        probe = AgentCache(agent_id, prompt[:num_reused], block_ids, salt=salt)
         return PreparedPrompt(
             agent_id, self._build_caches(probe, num_reused, len(prompt)), num_reused, "memory"
         )
@@ -171,13 +277,20 @@ class AgentCacheStore:
         in_blocks = min(len(block_ids) * self.spec.block_size, agent.num_tokens)
         step = HistoryKVCache.step
         capacity = -(-(prompt_length + 1) // step) * step
-        full_layers = full_layers_of(
-            self.pool, self.spec, block_ids, self.codec, room=max(0, capacity - in_blocks)
+        attention = attention_kv_of(
+            self.pool,
+            self.spec,
+            block_ids,
+            self.codec,
+            num_tokens,
+            room=max(0, capacity - in_blocks),
+            num_held=agent.num_tokens,
         )
-        sliding_trim = agent.num_tokens - num_tokens
-        return layer_caches(
-            self.spec, self._new_caches(), full_layers, num_tokens, agent.sliding_states, sliding_trim
-        )
+        state = next((p for p in agent.state_points if p.num_tokens == num_tokens), None)
+        if state is None and self.spec.has_state_layers:
+            shared = self._shared_points(agent.token_ids[:num_tokens], agent.salt)
+            state = next(p for n, p in shared if n == num_tokens and p is not None)
+        return layer_caches(self.spec, self._new_caches(), attention, num_tokens, state)
 
     def store(
         self,
@@ -186,42 +299,94 @@ class AgentCacheStore:
         layer_caches: list[Any],
         reserved: list[int],
         salt: str | None = None,
+        earlier_points: list[StatePoint] | None = None,
+        resumes_from: int | None = None,
     ) -> list[int]:
         """Keep a finished turn's cache, its full blocks filed under `salt`; returns the reserved
-        blocks it did not use."""
+        blocks it did not use. A recurrent model's state is kept where the cache ends and at
+        `earlier_points` (where the turn's prompt ended); sliding layers where the next turn may
+        resume, from `resumes_from` (where the prompt ended: a reply may not re-tokenize the same)."""
         assert len(layer_caches) == self.spec.num_layers, "cache layers do not match the spec: engine bug"
-        full_kv = [kv_of(layer_caches[layer], len(token_ids)) for layer in self.spec.full_layer_ids]
-        sliding = [layer_caches[layer].state for layer in self.spec.sliding_layer_ids]
-        return self._file_blocks(
-            agent_id, token_ids, full_kv, sliding, reserved, salt, self.codec.encode, self._allocate_one
+        num_tokens = len(token_ids)
+        kv_runs = [kv_run(layer_caches[layer], num_tokens) for layer in self.spec.attention_layer_ids]
+        point = state_point_of(self.spec, layer_caches, num_tokens)
+        points = [p for p in earlier_points or [] if p.num_tokens < num_tokens]
+        points += [point] if point is not None else []
+        # Reserved blocks past those the tokens can take go back first: the window layers' charge is
+        # taken from the free blocks as blocks are filed.
+        keep = self.spec.num_blocks_for(num_tokens) + len(points) * self.spec.num_blocks_per_state
+        given_back = reserved[keep:]
+        del reserved[keep:]  # the caller's list: it frees what is left of it whatever happens here
+        self.pool.free(given_back)
+        spare = self._file_blocks(
+            agent_id, token_ids, kv_runs, points, reserved, salt, self.codec.encode, self._allocate_one
         )
+        if self.spec.window_extra:
+            self._strip_windows(self.agents[agent_id], num_tokens if resumes_from is None else resumes_from)
+        return spare
+
+    def _strip_windows(self, agent: AgentCache, resumes_from: int) -> None:
+        """Drop the sliding layers of the agent's blocks no turn is expected to resume near: those
+        before the window ahead of `resumes_from`, unless another cache holds the block too or it
+        lies in the window before a shared boundary."""
+        size, window = self.spec.block_size, self.spec.sliding_window or 0
+        first_kept = max(0, resumes_from - window) // size
+        window_blocks = self.spec.num_blocks_for(window)
+        kept: set[int] = set()
+        if self.shared_states:
+            for index, block_hash in enumerate(
+                hash_prefix_blocks(agent.token_ids[: first_kept * size], size, agent.salt)
+            ):
+                if block_hash in self.shared_states:
+                    kept.update(range(max(0, index + 1 - window_blocks), index + 1))
+        for index, block_id in enumerate(agent.block_ids[:first_kept]):
+            if index not in kept and self.pool.blocks[block_id].ref_count == 1:
+                self.pool.strip_window(block_id)
 
     def _file_blocks(
         self,
         agent_id: str,
         token_ids: list[int],
-        full_kv: list[tuple[Any, Any]],
-        sliding: list[Any],
+        kv_runs: list[tuple[Any, Any, int]],
+        points: list[StatePoint],
         reserved: list[int],
         salt: str | None,
         encode: Callable[[Any], Any],
         allocate: Callable[[], int],
     ) -> list[int]:
         """The agent's cache as pool blocks (shared ones reused, the rest copied out by `encode`
-        into blocks from `reserved`, then from `allocate`)."""
+        into blocks from `reserved`, then from `allocate`), and its state points charged blocks."""
         spare = list(reserved)
         block_size = self.spec.block_size
-        block_ids = file_blocks(self.pool, block_size, token_ids, full_kv, spare, salt, encode, allocate)
+        block_ids = file_blocks(self.pool, block_size, token_ids, kv_runs, spare, salt, encode, allocate)
+        state_block_ids: list[int] = []
+        try:
+            for _ in range(len(points) * self.spec.num_blocks_per_state):
+                state_block_ids.append(spare.pop() if spare else allocate())
+        except BaseException:
+            self.pool.free(block_ids)
+            self.pool.free(state_block_ids)
+            raise
         previous = self.agents.get(agent_id)
         num_running = previous.num_running if previous else 0
         self.agents[agent_id] = AgentCache(
-            agent_id, list(token_ids), block_ids, sliding, num_running=num_running, salt=salt
+            agent_id,
+            list(token_ids),
+            block_ids,
+            points,
+            state_block_ids,
+            num_running=num_running,
+            salt=salt,
         )
         if previous is not None:
-            self.pool.free(previous.block_ids)
+            self._free(previous)
         else:
             self.held_agent_ids = frozenset(self.agents)
         return spare
+
+    def _free(self, agent: AgentCache) -> None:
+        self.pool.free(agent.block_ids)
+        self.pool.free(agent.state_block_ids)
 
     def publish_prefix(
         self, token_ids: list[int], layer_caches: list[Any], spare: list[int], salt: str | None = None
@@ -229,13 +394,16 @@ class AgentCacheStore:
         """Publish the full blocks of `token_ids` that the pool lacks, in blocks taken from `spare`
         (a running request's reservation), so other prompts share them before this one finishes.
         Returns the blocks it filled; each keeps the reference it had in `spare` until freed."""
-        if self.spec.has_sliding_layers:
-            return []
         num_full = len(token_ids) // self.spec.block_size * self.spec.block_size
-        full_kv = [kv_of(layer_caches[layer], num_full) for layer in self.spec.full_layer_ids]
+        num_held = self._num_held(layer_caches)
+        kv_runs = [kv_run(layer_caches[layer], num_held) for layer in self.spec.attention_layer_ids]
         return publish_blocks(
-            self.pool, self.spec.block_size, token_ids[:num_full], full_kv, spare, salt, self.codec.encode
+            self.pool, self.spec.block_size, token_ids[:num_full], kv_runs, spare, salt, self.codec.encode
         )
+
+    def _num_held(self, layer_caches: list[Any]) -> int:
+        """How many tokens a running sequence's caches hold (read from its first attention layer)."""
+        return int(layer_caches[self.spec.attention_layer_ids[0]].offset)
 
     def _allocate_one(self) -> int:
         if not self.pool.can_allocate(1):
@@ -257,19 +425,22 @@ class AgentCacheStore:
         return sorted((a for a in self.agents.values() if a.num_running == 0), key=lambda a: a.last_used)
 
     def evict_until(self, num_free_blocks: int) -> list[CacheSnapshot]:
-        """Evict least-recently-used idle agents until `num_free_blocks` are free."""
+        """Evict least-recently-used idle agents (and then shared states) until `num_free_blocks`
+        are free."""
         evicted = []
         for agent in self.evictable():
             if self.pool.can_allocate(num_free_blocks):
                 break
             evicted.append(self.evict(agent.agent_id))
+        while not self.pool.can_allocate(num_free_blocks) and self.drop_shared_state():
+            pass
         return evicted
 
     def evict(self, agent_id: str) -> CacheSnapshot:
         snapshot = self.snapshot(agent_id)
         agent = self.agents.pop(agent_id)
         self.held_agent_ids = frozenset(self.agents)
-        self.pool.free(agent.block_ids)
+        self._free(agent)
         self.evicted.append(snapshot)
         return snapshot
 
@@ -277,16 +448,28 @@ class AgentCacheStore:
         agent = self.agents.pop(agent_id, None)
         if agent is not None:
             self.held_agent_ids = frozenset(self.agents)
-            self.pool.free(agent.block_ids)
+            self._free(agent)
 
     def snapshot(self, agent_id: str) -> CacheSnapshot:
         agent = self.agents[agent_id]
-        full_layers: list[tuple[Any, Any]] = (
-            full_layers_of(self.pool, self.spec, agent.block_ids, self.codec)
-            if agent.block_ids
-            else [(None, None)] * len(self.spec.full_layer_ids)
-        )
-        return CacheSnapshot(agent_id, list(agent.token_ids), full_layers, list(agent.sliding_states))
+        spec, size = self.spec, self.spec.block_size
+        layers: list[LayerKV] = []
+        starts: list[int] = []
+        for slot, layer in enumerate(spec.attention_layer_ids):
+            start = 0
+            if spec.layer_windows[layer] is not None:
+                start = window_start(self.pool, self.codec, spec, agent.block_ids, slot, agent.num_tokens)
+            held = agent.block_ids[start // size :] if start < agent.num_tokens else []
+            if not held:
+                layers.append((None, None))
+                starts.append(agent.num_tokens)
+                continue
+            payloads = [self.pool.payload(b)[slot] for b in held]
+            keys = mx.concatenate([self.codec.decode(p[0]) for p in payloads], axis=2)
+            values = mx.concatenate([self.codec.decode(p[1]) for p in payloads], axis=2)
+            layers.append((keys, values))
+            starts.append(start)
+        return CacheSnapshot(agent_id, list(agent.token_ids), layers, starts, list(agent.state_points))
 
     def restore(self, snapshot: HostSnapshot, salt: str | None = None) -> None:
         """Put a snapshot read from disk back into the pool as this agent's cache, its full blocks
@@ -295,20 +478,47 @@ class AgentCacheStore:
         enough free blocks it raises PoolExhaustedError and takes none."""
         self.drop(snapshot.agent_id)
         num_tokens = len(snapshot.token_ids)
-        needed = self.spec.num_blocks_for(num_tokens) - len(self.held_block_ids(snapshot.token_ids, salt))
+        window_start = min(
+            (
+                start
+                for start, kind in zip(snapshot.kv_starts, self.spec.window_slots_mask, strict=True)
+                if kind
+            ),
+            default=num_tokens,
+        )
+        needed = self.num_blocks_to_restore(
+            snapshot.token_ids, len(snapshot.state_points), window_start, salt
+        )
         if not self.pool.can_allocate(needed):
             raise PoolExhaustedError(f"{needed} blocks needed, {self.pool.num_free_blocks} free")
-        full_kv = [
-            (keys[..., :num_tokens, :], values[..., :num_tokens, :])
-            for keys, values in snapshot.full_layers
-            if keys is not None and values is not None
-        ]
-        assert not num_tokens or len(full_kv) == len(self.spec.full_layer_ids), "layers missing: engine bug"
-        sliding = [sliding_state(state) for state in snapshot.sliding_layers]
+        kv_runs: list[tuple[Any, Any, int]] = []
+        for (keys, values), start in zip(snapshot.attention_layers, snapshot.kv_starts, strict=True):
+            if keys is None or values is None:
+                kv_runs.append((None, None, num_tokens))
+            else:
+                kv_runs.append(
+                    (keys[..., : num_tokens - start, :], values[..., : num_tokens - start, :], start)
+                )
+        assert not num_tokens or len(kv_runs) == len(self.spec.attention_layer_ids), (
+            "layers missing: engine bug"
+        )
 
         def encode(array: np.ndarray) -> Any:
             return self.codec.encode_host(array, snapshot.dtype)
 
         allocate = self._allocate_unevicting
-        self._file_blocks(snapshot.agent_id, snapshot.token_ids, full_kv, sliding, [], salt, encode, allocate)
+        points = [p for p in snapshot.state_points if p.num_tokens <= num_tokens]
+        self._file_blocks(snapshot.agent_id, snapshot.token_ids, kv_runs, points, [], salt, encode, allocate)
         self.agents[snapshot.agent_id].from_disk = True
+
+    def num_blocks_to_restore(
+        self, token_ids: list[int], num_state_points: int, window_start: int, salt: str | None
+    ) -> int:
+        """The free blocks restoring a cache of `token_ids` takes: its blocks the pool lacks, the
+        window charge of those holding sliding layers (from token `window_start` on), and its state
+        points'."""
+        spec = self.spec
+        num_blocks = spec.num_blocks_for(len(token_ids))
+        num_new = num_blocks - len(self.held_block_ids(token_ids, salt))
+        num_windowed = num_blocks - window_start // spec.block_size if spec.window_extra else 0
+        return num_new + spec.window_extra * num_windowed + num_state_points * spec.num_blocks_per_state

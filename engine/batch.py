@@ -107,7 +107,10 @@ class Batch:
             processors = make_processors(request.sampling, self._loaded.num_token_ids)
             processors += [request.grammar] if request.grammar is not None else []  # the mask last
             text = reply_text_stream(request, self._loaded.tokenizer, self._loaded.eos_token_ids)
-            uid = self._insert(request, prepared.num_cached_tokens, prepared.caches, sampler, processors)
+            checkpoints = self._state_checkpoints(request, prepared.num_cached_tokens)
+            uid = self._insert(
+                request, prepared.num_cached_tokens, prepared.caches, sampler, processors, checkpoints
+            )
         except BaseException:
             self._pool.free(reserved)
             raise
@@ -122,6 +125,7 @@ class Batch:
             queued_at=submit.queued_at,
             sampler=sampler,
             logits_processors=processors,
+            state_checkpoints=checkpoints,
         )
         self.running.add(uid, sequence)
         self._stats.num_prompt_tokens += len(request.prompt_tokens)
@@ -137,6 +141,19 @@ class Batch:
             ),
         )
 
+    def _state_checkpoints(self, request: GenerationRequest, num_cached: int) -> list[int]:
+        """Where a recurrent model's prefill of `request` stops to keep its state for other agents:
+        the last block boundary of its shared head (the system prompt and tools), and the end of the
+        blocks other agents' prompts already share with it (the next agent to share them resumes
+        there). None for a model without recurrent layers."""
+        spec = self._loaded.spec
+        if not spec.has_state_layers and not spec.has_sliding_layers:
+            return []
+        size, prompt = spec.block_size, request.prompt_tokens
+        shared_blocks = self._store.held_block_ids(prompt[:-1], request.cache_salt)
+        positions = {request.shared_head_tokens // size * size, len(shared_blocks) * size}
+        return sorted(p for p in positions if num_cached < p < len(prompt) - 1)
+
     def _insert(
         self,
         request: GenerationRequest,
@@ -144,11 +161,15 @@ class Batch:
         caches: list[Any],
         sampler: Any,
         processors: list[Any],
+        checkpoints: list[int] | None = None,
     ) -> int:
-        """Hand the generator the prompt past its first `num_cached` tokens (which `caches` hold)."""
+        """Hand the generator the prompt past its first `num_cached` tokens (which `caches` hold), in
+        segments that end at `checkpoints` (the generator's chunks stop at a segment's end)."""
         prompt = request.prompt_tokens
-        (uid,) = self._generator.insert(
-            [prompt[num_cached:]],
+        ends = [*(checkpoints or []), len(prompt)]
+        starts = [num_cached, *(checkpoints or [])]
+        (uid,) = self._generator.insert_segments(
+            [[prompt[start:end] for start, end in zip(starts, ends, strict=True)]],
             max_tokens=[request.sampling.max_tokens + 1],
             caches=[caches],
             all_tokens=[list(prompt[:num_cached])],

@@ -22,15 +22,16 @@ def file_blocks(
     pool: BlockPool,
     block_size: int,
     token_ids: list[int],
-    full_kv: list[tuple[Any, Any]],
+    kv_runs: list[tuple[Any, Any, int]],
     spare: list[int],
     salt: str | None,
     encode: Callable[[Any], Any],
     allocate: Callable[[], int],
 ) -> list[int]:
-    """The blocks holding `token_ids` (each full-attention layer's keys and values in `full_kv`):
-    shared full blocks reused and touched, the rest filled in blocks popped from `spare`, then
-    from `allocate`."""
+    """The blocks holding `token_ids` (each attention layer's keys and values of tokens [start, end)
+    in `kv_runs`, `layer_caches.kv_run`'s): shared full blocks reused and touched (a sliding layer
+    they lack filled in from the run), the rest filled in blocks popped from `spare`, then from
+    `allocate`."""
     block_ids: list[int] = []
     taken: list[int] = []  # the references taken here (not `spare`'s): given back if filing fails
     filed: list[int] = []  # the blocks given contents here: emptied again if filing fails
@@ -43,6 +44,7 @@ def file_blocks(
                 existing = pool.get_cached_block(parent, tokens)
                 if existing is not None:
                     pool.touch([existing])
+                    fill_missing(pool, existing, kv_runs, start, encode)
                     taken.append(existing)
                     block_ids.append(existing)
                     continue
@@ -52,7 +54,7 @@ def file_blocks(
                 block_id = allocate()
                 taken.append(block_id)
             filed.append(block_id)
-            payload = block_payload(full_kv, start, len(tokens), encode)
+            payload = block_payload(kv_runs, start, len(tokens), encode)
             if len(tokens) == block_size:
                 assert parent is not None
                 pool.cache_full_block(block_id, parent, tokens, payload)
@@ -73,7 +75,7 @@ def publish_blocks(
     pool: BlockPool,
     block_size: int,
     token_ids: list[int],
-    full_kv: list[tuple[Any, Any]],
+    kv_runs: list[tuple[Any, Any, int]],
     spare: list[int],
     salt: str | None,
     encode: Callable[[Any], Any],
@@ -84,12 +86,50 @@ def publish_blocks(
     published: list[int] = []
     for start, block_hash in zip(range(0, len(hashes) * block_size, block_size), hashes, strict=True):
         tokens = token_ids[start : start + block_size]
-        if pool.get_cached_block(block_hash, tokens) is not None:
+        existing = pool.get_cached_block(block_hash, tokens)
+        if existing is not None:
+            fill_missing(pool, existing, kv_runs, start, encode)
             continue
         if not spare:
             break
         block_id = spare.pop()
-        pool.cache_full_block(block_id, block_hash, tokens, block_payload(full_kv, start, block_size, encode))
+        pool.cache_full_block(block_id, block_hash, tokens, block_payload(kv_runs, start, block_size, encode))
         published.append(block_id)
     mx.eval([pool.payload(b) for b in published])
     return published
+
+
+def fill_missing(
+    pool: BlockPool,
+    block_id: int,
+    kv_runs: list[tuple[Any, Any, int]],
+    start: int,
+    encode: Callable[[Any], Any],
+) -> None:
+    """Give a shared block the sliding layers it lacks where this sequence's runs hold them: the same
+    tokens after the same prefix have the same keys and values, and a resume near the block needs them."""
+    payload = pool.payload(block_id)
+    if payload is None or pool.blocks[block_id].ref_count == 0:
+        return
+    end = start + pool.block_size
+    runs: list[tuple[Any, Any, int]] = []
+    for old, (keys, values, kv_start) in zip(payload, kv_runs, strict=True):
+        covers = keys is not None and kv_start < end and end - kv_start <= keys.shape[2]
+        gives = end - max(start, kv_start) if covers else 0
+        runs.append(
+            (keys, values, kv_start)
+            if gives > (_length(old) if old is not None else 0)
+            else (None, None, end)
+        )
+    if all(keys is None for keys, _, _ in runs):
+        return
+    fresh = block_payload(runs, start, pool.block_size, encode)
+    filled = tuple(new if new is not None else old for old, new in zip(payload, fresh, strict=True))
+    mx.eval(filled)
+    pool.set_payload(block_id, filled)
+
+
+def _length(piece: Any) -> int:
+    """Tokens a block's piece of one layer covers (its keys' third axis, quantized or not)."""
+    keys = piece[0]
+    return int((keys[0] if isinstance(keys, tuple) else keys).shape[2])

@@ -3,6 +3,12 @@
 The pool is bookkeeping only; a block's `payload` is whatever the engine stores for it (per-layer
 key/value arrays). Free blocks form an LRU: the front is reused first. A freed block keeps its hash
 and payload until its id is reused, so a later request with the same prefix can revive it.
+
+A block costs the bytes of its full-attention layers. Where the model also has sliding-window layers,
+a block whose payload holds them (`window_slots`, which only blocks near where turns resume keep)
+is charged `window_extra` more blocks for them, taken from the free blocks as the payload is set and
+given back when those layers are stripped or the payload goes; without free blocks for the charge the
+window layers are not kept (the block can then not be resumed at, only computed again).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ def hash_prefix_blocks(token_ids: Sequence[int], block_size: int, salt: str | No
 
 
 class Block:
-    __slots__ = ("block_hash", "block_id", "payload", "ref_count", "token_ids")
+    __slots__ = ("block_hash", "block_id", "extra_block_ids", "payload", "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -52,32 +58,46 @@ class Block:
         self.block_hash: BlockHash | None = None
         self.token_ids: tuple[int, ...] = ()
         self.payload: Any = None
-
-    def reset(self) -> None:
-        self.block_hash = None
-        self.token_ids = ()
-        self.payload = None
+        self.extra_block_ids: list[int] = []  # charged for its window layers
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, bytes_per_block: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        bytes_per_block: int = 0,
+        window_slots: tuple[int, ...] = (),
+        window_extra: int = 0,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"a pool needs at least one block, got {num_blocks}")
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
+        self.window_slots = window_slots if window_extra else ()
+        self.window_extra = window_extra
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block_id: dict[BlockHash, int] = {}
+        self._num_reclaimable = 0  # extra blocks charged to free blocks: taken back as those are reused
 
     @classmethod
-    def from_budget(cls, budget_bytes: int, bytes_per_block: int, block_size: int) -> BlockPool:
+    def from_budget(
+        cls,
+        budget_bytes: int,
+        bytes_per_block: int,
+        block_size: int,
+        window_slots: tuple[int, ...] = (),
+        window_extra: int = 0,
+    ) -> BlockPool:
         num_blocks = budget_bytes // bytes_per_block
-        if num_blocks < 1:
+        if num_blocks < 1 + window_extra:
             raise ValueError(
                 f"cache budget {budget_bytes / 2**20:.1f} MiB is below one block "
-                f"({bytes_per_block / 2**20:.1f} MiB for {block_size} tokens of this model)"
+                f"({bytes_per_block * (1 + window_extra) / 2**20:.1f} MiB for {block_size} tokens "
+                "of this model)"
             )
-        return cls(num_blocks, block_size, bytes_per_block)
+        return cls(num_blocks, block_size, bytes_per_block, window_slots, window_extra)
 
     @property
     def num_blocks(self) -> int:
@@ -85,7 +105,8 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        """Blocks an `allocate` can take: the free ones and those charged to free blocks' windows."""
+        return len(self.free_block_ids) + self._num_reclaimable
 
     @property
     def num_used_blocks(self) -> int:
@@ -112,6 +133,8 @@ class BlockPool:
             block = self.blocks[block_id]
             assert block.ref_count == 0, f"free block {block_id} has ref count {block.ref_count}: pool bug"
             self._forget_hash(block)
+            self._num_reclaimable -= len(block.extra_block_ids)
+            self._set(block, None)  # its window charge goes back to the free blocks' front
             block.ref_count = 1
             block_ids.append(block_id)
         return block_ids
@@ -122,6 +145,7 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_block_ids[block_id]
+                self._num_reclaimable -= len(block.extra_block_ids)
             block.ref_count += 1
 
     def free(self, ordered_block_ids: Sequence[int]) -> None:
@@ -133,8 +157,10 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
                 if block.block_hash is None:
-                    block.payload = None
+                    self._set(block, None)
                     self.free_block_ids.move_to_end(block_id, last=False)
+                else:
+                    self._num_reclaimable += len(block.extra_block_ids)
 
     def cache_full_block(
         self, block_id: int, block_hash: BlockHash, token_ids: Sequence[int], payload: Any
@@ -147,18 +173,52 @@ class BlockPool:
             raise ValueError(f"only full blocks of {self.block_size} tokens are cached, got {len(token_ids)}")
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
-        block.payload = payload
+        self._set(block, payload)
         self.hash_to_block_id.setdefault(block_hash, block_id)
 
-    def set_payload(self, block_id: int, payload: Any) -> None:
+    def set_payload(self, block_id: int, payload: Any) -> Any:
+        """Give a held block `payload`; returns what it keeps (without its window layers where no
+        free blocks are left to charge them)."""
         block = self.blocks[block_id]
         assert block.ref_count > 0, f"payload set on free block {block_id}: caller bug"
+        return self._set(block, payload)
+
+    def strip_window(self, block_id: int) -> None:
+        """Drop a held block's window layers (no turn will resume near it) and their charge."""
+        block = self.blocks[block_id]
+        if self._holds_window(block.payload):
+            self._set(block, self._without_window(block.payload))
+
+    def holds_window(self, block_id: int) -> bool:
+        return self._holds_window(self.blocks[block_id].payload)
+
+    def _holds_window(self, payload: Any) -> bool:
+        return payload is not None and any(payload[slot] is not None for slot in self.window_slots)
+
+    def _without_window(self, payload: Any) -> Any:
+        return tuple(None if slot in self.window_slots else layer for slot, layer in enumerate(payload))
+
+    def _set(self, block: Block, payload: Any) -> Any:
+        """The one place a payload changes: charge or give back the window layers' extra blocks. The
+        caller keeps `_num_reclaimable` (the charge of free blocks) right."""
+        wants = self.window_extra if self._holds_window(payload) else 0
+        if wants > len(block.extra_block_ids):
+            if self.num_free_blocks >= wants - len(block.extra_block_ids):
+                block.extra_block_ids += self.allocate(wants - len(block.extra_block_ids))
+            else:
+                payload, wants = self._without_window(payload), 0
+        if wants < len(block.extra_block_ids):
+            extra, block.extra_block_ids = block.extra_block_ids, []
+            self.free(extra)
         block.payload = payload
+        return payload
 
     def empty(self, block_ids: Iterable[int]) -> None:
         """Take back what these blocks were given (hash and payload), as if fresh; their references stay."""
         for block_id in block_ids:
-            self._forget_hash(self.blocks[block_id])
+            block = self.blocks[block_id]
+            self._forget_hash(block)
+            self._set(block, None)
 
     def payload(self, block_id: int) -> Any:
         return self.blocks[block_id].payload
@@ -176,4 +236,5 @@ class BlockPool:
     def _forget_hash(self, block: Block) -> None:
         if block.block_hash is not None and self.hash_to_block_id.get(block.block_hash) == block.block_id:
             del self.hash_to_block_id[block.block_hash]
-        block.reset()
+        block.block_hash = None
+        block.token_ids = ()

@@ -6,6 +6,11 @@ sequence that ended has its whole cache kept. Both read the batch's arrays throu
 (`kv_seams.cache_views`), so only the blocks the pool lacks are copied, and both wait for the
 tick's events to be posted: reading a cache waits for the step MLX already queued, and a first
 token should not.
+
+A model with recurrent layers cannot resume anywhere else than where their state was kept: the
+keeper keeps it where a prompt ends (the agent's next turn may not continue its reply token for
+token) and where its prefill stopped at the end of a system prompt other agents share (a segment
+end, `Batch.insert`), shared with them under that block's hash once its blocks are.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from loguru import logger
 from mlx_lm.generate import BatchGenerator
 
 from semantic.engine import kv_seams
-from semantic.engine.agent_cache import AgentCacheStore
+from semantic.engine.agent_cache import AgentCacheStore, Checkpoint
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_spec import ModelCacheSpec
+from semantic.engine.layer_caches import kv_run, state_point_of
 from semantic.engine.sequence import FinishedCache, Sequence
 
 
@@ -26,11 +32,16 @@ class CacheKeeper:
         self._store = store
         self._pool = pool
         self._prefilled_uids: list[int] = []
+        self._checkpoint_uids: list[int] = []
         self._ended: list[FinishedCache] = []
 
     def prompts_prefilled(self, uids: list[int]) -> None:
         """Sequences whose prompts the generator has run: share their blocks."""
         self._prefilled_uids += uids
+
+    def checkpoint_reached(self, uid: int) -> None:
+        """A prompt whose prefill stopped where its recurrent state is to be kept (this tick)."""
+        self._checkpoint_uids.append(uid)
 
     def ended(self, ended: FinishedCache) -> None:
         """A sequence that ended with its cache: keep it, then release its blocks."""
@@ -38,6 +49,10 @@ class CacheKeeper:
 
     def keep(self, generator: BatchGenerator, running: dict[int, Sequence]) -> None:
         """Share the blocks of prompts prefilled this tick and keep the caches of sequences that ended."""
+        checkpoints, self._checkpoint_uids = self._checkpoint_uids, []
+        for uid in checkpoints:
+            if uid in running:
+                self._keep_checkpoint(generator, uid, running[uid])
         prefilled, self._prefilled_uids = self._prefilled_uids, []
         for uid in prefilled:
             sequence = running.get(uid)
@@ -52,14 +67,35 @@ class CacheKeeper:
             self._keep(finished)
             self.release(finished.sequence)
 
+    def _keep_checkpoint(self, generator: BatchGenerator, uid: int, running: Sequence) -> None:
+        held = kv_seams.sequence_caches(generator, uid)
+        if held is None:
+            return
+        caches, num_tokens = held
+        if num_tokens in running.state_checkpoints:
+            spec = self._spec
+            runs = [
+                kv_run(caches[layer], num_tokens) if slides else (None, None, num_tokens)
+                for layer, slides in zip(spec.attention_layer_ids, spec.window_slots_mask, strict=True)
+            ]
+            state = state_point_of(spec, caches, num_tokens)
+            running.checkpoints.append(Checkpoint(num_tokens, state, runs))
+
     def _publish_prompt(self, generator: BatchGenerator, uid: int, running: Sequence) -> None:
         spec = self._spec
         prompt = running.request.prompt_tokens
         num_blocks = (len(prompt) - 1) // spec.block_size  # blocks whose tokens are all in the cache by now
-        if num_blocks <= running.num_cached_tokens // spec.block_size or spec.has_sliding_layers:
+        if num_blocks <= running.num_cached_tokens // spec.block_size and not spec.has_state_layers:
+            running.checkpoints = []
             return
         held = kv_seams.sequence_caches(generator, uid)
         if held is None:
+            running.checkpoints = []
+            return
+        if spec.has_state_layers:
+            running.prompt_state = state_point_of(spec, held[0], held[1])
+        if num_blocks <= running.num_cached_tokens // spec.block_size:
+            running.checkpoints = []
             return
         try:
             running.published_block_ids = self._store.publish_prefix(
@@ -68,8 +104,13 @@ class CacheKeeper:
                 running.reserved_block_ids,
                 running.request.cache_salt,
             )
+            for checkpoint in running.checkpoints:
+                self._store.share_checkpoint(
+                    prompt[: checkpoint.num_tokens], checkpoint, running.request.cache_salt
+                )
         except Exception:
             logger.exception("could not share the prompt blocks of request {}", running.request.request_id)
+        running.checkpoints = []
 
     def _keep(self, ended: FinishedCache) -> None:
         running = ended.sequence
@@ -80,6 +121,8 @@ class CacheKeeper:
                 ended.layer_caches,
                 running.reserved_block_ids,
                 running.request.cache_salt,
+                [running.prompt_state] if running.prompt_state is not None else [],
+                resumes_from=len(running.request.prompt_tokens),
             )
         except Exception:
             logger.exception("could not keep the cache of agent {}", running.agent_id)

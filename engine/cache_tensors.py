@@ -1,6 +1,10 @@
 """An agent's cache outside the pool (snapshots) and as numpy arrays: what crosses from the engine
 thread to the disk writers.
 
+A snapshot holds, per attention layer, keys and values over the tokens it keeps (every token for a
+full layer; for a sliding one, the run of tokens its blocks still hold, which ends where the
+agent's tokens end), and the recurrent layers' states at the points a turn can resume from.
+
 Both directions run on the engine thread, which owns every MLX array; the numpy side is plain
 memory that a worker thread may read and write.
 """
@@ -8,18 +12,33 @@ memory that a worker thread may read and write.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from semantic.engine.cache_spec import ModelCacheSpec
+
 # numpy has no bfloat16: arrays travel as unsigned integers of the same width and are viewed back.
 _STORAGE_VIEW = {2: (mx.uint16, np.uint16), 4: (mx.uint32, np.uint32), 1: (mx.uint8, np.uint8)}
 
 
-# None for an agent with no tokens yet.
+# None for an agent with no tokens yet (or a sliding layer with none held).
 LayerKV = tuple[mx.array | None, mx.array | None]
+
+
+@dataclass(slots=True)
+class StatePoint:
+    """The recurrent layers' state after a sequence's first `num_tokens` tokens: per STATE layer,
+    the arrays of its `ArraysCache`. A turn whose prompt starts with those tokens resumes from it."""
+
+    num_tokens: int
+    layers: tuple[tuple[Any, ...], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(array.nbytes) for layer in self.layers for array in layer)
 
 
 @dataclass(slots=True)
@@ -28,19 +47,21 @@ class CacheSnapshot:
 
     agent_id: str
     token_ids: list[int]
-    full_layers: list[LayerKV]
-    sliding_layers: list[tuple[Any, ...]]
+    attention_layers: list[LayerKV]  # per attention layer, keys and values of tokens [start, end)
+    kv_starts: list[int]  # per attention layer, the first token it holds
+    state_points: list[StatePoint]
 
 
 @dataclass(slots=True)
 class HostSnapshot:
-    """An agent's cache as read from its file: full layers as numpy arrays (bfloat16 as uint16), of
-    `dtype` once in MLX; sliding-window states already MLX arrays."""
+    """An agent's cache as read from its file: attention layers as numpy arrays (bfloat16 as uint16),
+    of `dtype` once in MLX; states already MLX arrays."""
 
     agent_id: str
     token_ids: list[int]
-    full_layers: list[tuple[np.ndarray | None, np.ndarray | None]]
-    sliding_layers: list[tuple[Any, ...]]
+    attention_layers: list[tuple[np.ndarray | None, np.ndarray | None]]
+    kv_starts: list[int]
+    state_points: list[StatePoint]
     dtype: mx.Dtype
 
 
@@ -48,13 +69,23 @@ class HostSnapshot:
 class SerializedCache:
     agent_id: str
     tensors: dict[str, np.ndarray]
-    sliding_meta: list[list[int]]
+    kv_starts: list[int]  # per attention layer, the first token its tensors hold ([]: all from 0)
     num_tokens: int
+    # Per state point: its token count and, per STATE layer, how many arrays it has.
+    state_points: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 def tokens_digest(tokens: list[int] | np.ndarray) -> str:
     """What identifies a cache's content: the token ids it holds (the same ids, the same cache)."""
     return hashlib.sha256(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()
+
+
+def attention_tensor_name(slot: int, part: str) -> str:
+    return f"attn.{slot}.{part}"
+
+
+def state_tensor_name(point: int, layer: int, index: int) -> str:
+    return f"state.{point}.{layer}.{index}"
 
 
 def _to_numpy(array: mx.array) -> np.ndarray:
@@ -68,33 +99,54 @@ def _from_numpy(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
 
 def to_tensors(snapshot: CacheSnapshot) -> SerializedCache:
     """Engine thread: evaluate and copy a snapshot into numpy arrays."""
-    arrays: dict[str, mx.array] = {"tokens": mx.array(snapshot.token_ids, dtype=mx.int32)}
-    for i, (keys, values) in enumerate(snapshot.full_layers):
+    arrays: dict[str, mx.array] = {}
+    for slot, (keys, values) in enumerate(snapshot.attention_layers):
         if keys is not None and values is not None:
-            arrays[f"full.{i}.keys"], arrays[f"full.{i}.values"] = keys, values
-    sliding_meta = []
-    for i, state in enumerate(snapshot.sliding_layers):
-        keys, values, offset, keep, max_size, idx = state
-        arrays[f"sliding.{i}.keys"], arrays[f"sliding.{i}.values"] = keys, values
-        sliding_meta.append([int(offset), int(keep), int(max_size), int(idx)])
+            arrays[attention_tensor_name(slot, "keys")] = keys
+            arrays[attention_tensor_name(slot, "values")] = values
+    points = []
+    for p, point in enumerate(snapshot.state_points):
+        for layer, state in enumerate(point.layers):
+            for index, array in enumerate(state):
+                arrays[state_tensor_name(p, layer, index)] = array
+        points.append((point.num_tokens, [len(state) for state in point.layers]))
     mx.eval(list(arrays.values()))
     tensors = {name: _to_numpy(array) for name, array in arrays.items()}
     tensors["tokens"] = np.array(snapshot.token_ids, dtype=np.int32)
-    return SerializedCache(snapshot.agent_id, tensors, sliding_meta, len(snapshot.token_ids))
+    return SerializedCache(
+        snapshot.agent_id, tensors, list(snapshot.kv_starts), len(snapshot.token_ids), points
+    )
 
 
-def from_tensors(cache: SerializedCache, dtype: str, num_full: int, num_sliding: int) -> HostSnapshot:
-    """Engine thread: a file's tensors as a snapshot to restore. Full layers stay numpy arrays: the
-    pool copies each block out of them once (`BlockCodec.encode_host`)."""
-    mx_dtype = getattr(mx, dtype)
+def from_tensors(cache: SerializedCache, spec: ModelCacheSpec) -> HostSnapshot:
+    """Engine thread: a file's tensors as a snapshot to restore. Attention layers stay numpy arrays:
+    the pool copies each block out of them once (`BlockCodec.encode_host`). Raises ValueError where
+    the file's states do not have the model's shapes."""
     tensors = cache.tensors
-    full_layers: list[tuple[np.ndarray | None, np.ndarray | None]] = [
-        (tensors.get(f"full.{i}.keys"), tensors.get(f"full.{i}.values")) for i in range(num_full)
+    num_attention = len(spec.attention_layer_ids)
+    attention: list[tuple[np.ndarray | None, np.ndarray | None]] = [
+        (tensors.get(attention_tensor_name(s, "keys")), tensors.get(attention_tensor_name(s, "values")))
+        for s in range(num_attention)
     ]
-    sliding_layers = []
-    for i in range(num_sliding):
-        offset, keep, max_size, idx = cache.sliding_meta[i]
-        keys = _from_numpy(tensors[f"sliding.{i}.keys"], mx_dtype)
-        values = _from_numpy(tensors[f"sliding.{i}.values"], mx_dtype)
-        sliding_layers.append((keys, values, offset, keep, max_size, idx))
-    return HostSnapshot(cache.agent_id, tensors["tokens"].tolist(), full_layers, sliding_layers, mx_dtype)
+    points = []
+    for p, (num_tokens, counts) in enumerate(cache.state_points):
+        if counts != [len(layer) for layer in spec.state_arrays]:
+            raise ValueError(f"state point {p} does not have the model's recurrent layers")
+        layers = []
+        for layer, arrays in enumerate(spec.state_arrays):
+            state = []
+            for index, (shape, dtype) in enumerate(arrays):
+                array = tensors[state_tensor_name(p, layer, index)]
+                if tuple(array.shape) != shape:
+                    raise ValueError(f"state {p}.{layer}.{index} has shape {array.shape}, the model {shape}")
+                state.append(_from_numpy(array, getattr(mx, dtype)))
+            layers.append(tuple(state))
+        points.append(StatePoint(num_tokens, tuple(layers)))
+    return HostSnapshot(
+        cache.agent_id,
+        tensors["tokens"].tolist(),
+        attention,
+        list(cache.kv_starts) or [0] * num_attention,
+        points,
+        getattr(mx, spec.dtype),
+    )

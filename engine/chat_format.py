@@ -86,6 +86,24 @@ class ChatFormat:
             raise ChatTemplateError(f"the model's chat template rejected the messages: {error}") from error
         return text
 
+    def head_length(
+        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None, text: str, token_ids: list[int]
+    ) -> int:
+        """How many of `token_ids` (`text` encoded, rendered from `messages`) hold the leading system
+        message and tools: what other agents' prompts are likely to share. 0 where there is none or
+        the head does not encode to a prefix of the whole."""
+        head = [m for m in messages[:1] if m["role"] == "system"]
+        if not head:
+            return 0
+        try:
+            head_text = self.render(head, tools, add_generation_prompt=False)
+        except ChatTemplateError:
+            return 0
+        if not head_text or not text.startswith(head_text) or len(head_text) == len(text):
+            return 0
+        head_ids = self.encode(head_text)
+        return len(head_ids) if token_ids[: len(head_ids)] == head_ids else 0
+
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text; the template already wrote any BOS."""
         return self.encoder.encode(text)

@@ -43,6 +43,8 @@ class PoolReport:
     ref_counts: list[int]  # of every referenced block, sorted
     agent_id_to_block_ids: dict[str, list[int]]
     agent_id_to_num_tokens: dict[str, int]
+    window_block_ids: list[int] = field(default_factory=list)  # blocks holding sliding layers too
+    num_shared_states: int = 0  # resume points kept for other agents' prompts
 
 
 @dataclass(frozen=True, slots=True)

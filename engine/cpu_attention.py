@@ -24,7 +24,12 @@ Llama, 2 KV heads); a 512-token chunk over 2K with SmolLM2's heads: 49 instead o
 
 Metal and CUDA keep their fused kernels: `cpu_kernels.install_kernel_hooks` routes mlx-lm's attention
 here only when the model runs on the CPU, only on the engine thread, and only for attention it can
-do exactly as mlx-lm would (no attention sinks, no quantized KV cache).
+do exactly as mlx-lm would (no attention sinks, no quantized KV cache, inputs `supports` takes).
+
+Masks take every shape MLX's own attention takes: anything that broadcasts to [B, heads, L, S], one
+for all heads or one per query head. MLA models (DeepSeek V3, GLM-4 MoE Lite, Kimi) pass their RoPE
+scores as a per-head additive mask, decode with one latent KV head shared by every query head, and
+prefill with values of another head size than their keys.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ def _row_max(scores: mx.array) -> mx.array:
 @dataclass(frozen=True, slots=True)
 class _Columns:
     """Some of the key positions, attended with one kind of mask: none (`mask` None), kept where the
-    boolean mask is true, or an additive bias; a mask has the scores' shape but for `repeats`."""
+    boolean mask is true, or an additive bias; a mask broadcasts to the scores' shape."""
 
     keys: mx.array
     values: mx.array
@@ -100,9 +105,39 @@ class PaddedCausal:
 Mask = mx.array | str | PaddedCausal | None
 
 
-def _broadcast_mask(mask: mx.array) -> mx.array:
-    """A [B, 1, L, S] mask with an axis for the query heads sharing a KV head (the scores' repeats)."""
-    return mx.expand_dims(mask, -3) if mask.ndim > 3 else mask
+def supports(queries: mx.array, keys: mx.array, values: mx.array, mask: object) -> bool:
+    """Whether `attention` computes what `mx.fast.scaled_dot_product_attention` would for these
+    inputs; the caller gives anything else to MLX's own (which also raises what it refuses)."""
+    if not queries.ndim == keys.ndim == values.ndim == 4:
+        return False
+    batch, heads, length, dims = queries.shape
+    kv_heads, total = keys.shape[1], keys.shape[2]
+    if keys.shape[0] != batch or values.shape[:3] != keys.shape[:3] or keys.shape[3] != dims:
+        return False
+    if kv_heads == 0 or heads % kv_heads:
+        return False
+    if mask is None or isinstance(mask, PaddedCausal):
+        return True
+    if isinstance(mask, str):
+        return mask == "causal" and length <= total
+    if not isinstance(mask, mx.array) or mask.ndim > 4:
+        return False
+    if mask.dtype != mx.bool_ and not mx.issubdtype(mask.dtype, mx.floating):
+        return False
+    full = (batch, heads, length, total)[4 - mask.ndim :]
+    return all(size in (1, wanted) for size, wanted in zip(mask.shape, full, strict=True))
+
+
+def _grouped_mask(mask: mx.array, repeats: int) -> mx.array:
+    """A mask that broadcasts to [B, heads, L, S] (MLX's shape) as one that broadcasts to the
+    scores' [B, KV heads, repeats, L, S]: one for all heads gets an axis, a per-head one is split
+    by the KV head its query head shares."""
+    if mask.ndim < 3:
+        return mask
+    *lead, heads, length, total = mask.shape
+    if heads == 1:
+        return mx.expand_dims(mask, -3)
+    return mask.reshape(*lead, heads // repeats, repeats, length, total)
 
 
 def _causal_columns(
@@ -122,21 +157,21 @@ def _causal_columns(
     return parts
 
 
-def _split_columns(keys: mx.array, values: mx.array, length: int, mask: Mask) -> list[_Columns]:
+def _split_columns(keys: mx.array, values: mx.array, length: int, repeats: int, mask: Mask) -> list[_Columns]:
     """The key positions by how they are masked. A causal mask hides only some of the last `length`
     columns: the columns before them (rounded down to whole blocks for `_row_max`) need no mask,
     nor, with left padding, those from the largest padding on."""
     if mask is None:
         return [_Columns(keys, values)]
     if isinstance(mask, mx.array):
-        return [_Columns(keys, values, _broadcast_mask(mask))]
+        return [_Columns(keys, values, _grouped_mask(mask, repeats))]
     total = keys.shape[2]
     end = (total - length) // MAX_BLOCK * MAX_BLOCK
     if isinstance(mask, PaddedCausal):
         array = mask.array
         start = -(-mask.max_left_padding // MAX_BLOCK) * MAX_BLOCK
         return _causal_columns(
-            keys, values, start, end, lambda first, last: _broadcast_mask(array[..., first:last])
+            keys, values, start, end, lambda first, last: _grouped_mask(array[..., first:last], repeats)
         )
 
     def causal(first: int, last: int) -> mx.array:
@@ -153,7 +188,8 @@ def attention(
     mask: Mask,
     second_stream: mx.Stream | None = None,
 ) -> mx.array:
-    """Scaled dot-product attention with mlx's semantics ("causal" is bottom-right aligned). Given
+    """Scaled dot-product attention with mlx's semantics ("causal" is bottom-right aligned), for the
+    inputs `supports` takes; the values' head size may differ from the keys' (MLA's prefill). Given
     a `second_stream` (the caller's choice: `worth_splitting` says when it pays), the second half of
     the query positions has its row maxima and weights computed there, beside the first half's on
     the calling stream (`_attend_rows`)."""
@@ -161,7 +197,7 @@ def attention(
     kv_heads = keys.shape[1]
     repeats = heads // kv_heads
     folded = (queries * scale).reshape(batch, kv_heads, repeats * length, dims)
-    columns = _split_columns(keys, values, length, mask)
+    columns = _split_columns(keys, values, length, repeats, mask)
     # Each part's scores as [batch, kv heads, repeats, length, width], so a mask broadcasts over repeats.
     scores = [
         (folded @ part.keys.swapaxes(-1, -2)).astype(mx.float32).reshape(batch, kv_heads, repeats, length, -1)

@@ -5,7 +5,8 @@ Attention is hooked on every backend, for one reason everywhere: a packed pass (
 hands it a `PackedLayerCache`, and each group is attended apart. On the CPU the hooks also use our
 kernels, `cpu_attention` and `cpu_swiglu`, but only on a thread that asked for them (the engine
 thread, inside `cpu_kernels_on_this_thread`) and only where they compute what mlx-lm would (no
-attention sinks, no quantized KV cache; float32 SwiGLU); everywhere else each is mlx-lm's own
+attention sinks, no quantized KV cache, shapes and masks `cpu_attention.supports`; float32
+SwiGLU); everywhere else each is mlx-lm's own
 function, bit for bit. Metal and CUDA keep their fused kernels.
 
 A batch cache's mask is a boolean array even for one sequence without padding (mlx-lm's
@@ -119,7 +120,8 @@ def _attention_hook(original: Callable[..., mx.array], cpu_kernels: bool) -> Cal
         sinks: mx.array | None = None,
     ) -> mx.array:
         def attend(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Any) -> Any:
-            if not (cpu_kernels and _on_engine_thread()) or sinks is not None or hasattr(cache, "bits"):
+            ours = cpu_kernels and _on_engine_thread() and sinks is None and not hasattr(cache, "bits")
+            if not (ours and cpu_attention.supports(queries, keys, values, mask)):
                 return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
             mask = _known_mask(mask, queries.shape[2], keys.shape[2])
             second = _second_cpu_stream() if cpu_attention.worth_splitting(queries, keys) else None

@@ -1,8 +1,9 @@
 """mlx-lm's KV cache internals that semantic relies on, each with a check (run by `check_seams`).
 
 A running sequence's cache read as views into the batch's arrays (not `extract_cache`'s copy of the
-whole sequence), a batch cache built over an agent's own arrays (not `merge`'s copy), and the
-`state` layouts that the agent cache builds caches from and `cache_tensors` writes out.
+whole sequence; a sliding or recurrent layer, bounded in size, through its own `extract`), a batch
+cache built over an agent's own arrays (not `merge`'s copy), and the `state` layouts that the
+agent cache builds caches from and `cache_tensors` writes out.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from semantic.engine.batch_joins import JoiningBatchKVCache, check_joins_match_mlx_lm
 from semantic.engine.seam_check import generate_module, require
@@ -46,17 +47,24 @@ def cache_views(generator: BatchGenerator, uid: int) -> list[KVCache] | None:
 
 
 def sequence_caches(generator: BatchGenerator, uid: int) -> tuple[list[Any], int] | None:
-    """A running sequence's per-layer caches and how many tokens they hold: views into the batch's
-    arrays where every layer allows it (`cache_views`), else `extract_cache`'s copy of the whole
-    sequence; None if the generator does not hold it."""
-    views = cache_views(generator, uid)
-    if views is not None:
-        return list(views), views[0].offset
-    extracted = generator.extract_cache([uid]).get(uid)
-    if extracted is None:
+    """A running sequence's per-layer caches and how many tokens they hold: attention layers of
+    plain batch caches as views into the batch's arrays (`cache_views`), any other layer (a sliding
+    window, a recurrent state: both bounded in size) as its own `extract`; None if the generator
+    does not hold it."""
+    found = generator._find_uids([uid]).get(uid)
+    if found is None or found[0] == 0:
         return None
-    caches, tokens = extracted
-    return list(caches), len(tokens)
+    stage, index = found
+    batch = generator._generation_batch if stage == 2 else generator._prompt_batch
+    layers: list[Any] = []
+    for layer in batch.prompt_cache:
+        if type(layer) in PLAIN_BATCH_CACHES and layer.keys is not None:
+            layers.append(_sequence_view(layer, index))
+        else:
+            layers.append(layer.extract(index))
+    # The token count from an attention layer's offset: the generator's token list may not hold the
+    # last token fed yet.
+    return layers, next(int(c.offset) for c in layers if not isinstance(c, ArraysCache))
 
 
 def _sequence_view(layer: Any, index: int) -> KVCache:

@@ -14,10 +14,11 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
 
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_spec import ModelCacheSpec
+from semantic.engine.cache_tensors import StatePoint
 from semantic.engine.kv_seams import batch_cache_over
 
 
@@ -34,9 +35,10 @@ class BlockCodec:
             return cls()
         if bits not in (4, 8):
             raise ValueError(f"idle KV bits must be 4 or 8, got {bits}")
-        group_size = next((g for g in (64, 32) if spec.head_dim % g == 0), None)
+        dims = {dim for _, key_dim, value_dim in spec.kv_widths for dim in (key_dim, value_dim)}
+        group_size = next((g for g in (64, 32) if all(dim % g == 0 for dim in dims)), None)
         if group_size is None:
-            raise ValueError(f"idle KV quantization needs a head dim divisible by 32, not {spec.head_dim}")
+            raise ValueError(f"idle KV quantization needs head dims divisible by 32, not {sorted(dims)}")
         return cls(bits, group_size)
 
     def bytes_per_block(self, spec: ModelCacheSpec) -> int:
@@ -64,6 +66,10 @@ class BlockCodec:
     def _quantized(self, array: mx.array) -> tuple[mx.array, ...]:
         return tuple(mx.quantize(array, group_size=self.group_size, bits=self.bits))
 
+    def num_tokens(self, held: Any) -> int:
+        """How many tokens a held array covers (its third axis, which quantizing leaves alone)."""
+        return int((held if self.bits is None else held[0]).shape[2])
+
     def decode(self, held: Any) -> mx.array:
         if self.bits is None:
             return held
@@ -71,20 +77,84 @@ class BlockCodec:
         return mx.dequantize(weights, scales, biases, group_size=self.group_size, bits=self.bits)
 
 
-def full_layers_of(
-    pool: BlockPool, spec: ModelCacheSpec, block_ids: list[int], codec: BlockCodec, room: int = 0
+def attention_kv_of(
+    pool: BlockPool,
+    spec: ModelCacheSpec,
+    block_ids: list[int],
+    codec: BlockCodec,
+    num_tokens: int,
+    room: int = 0,
+    num_held: int | None = None,
 ) -> list[tuple[mx.array, mx.array]]:
-    """Each full-attention layer's keys and values over `block_ids`, concatenated in order, and
-    `room` zeroed positions after them."""
+    """Each attention layer's keys and values for a sequence's first `num_tokens` tokens, from its
+    blocks `block_ids` (holding `num_held` tokens, by default `num_tokens`): a full layer's over
+    every block (up to the blocks' end) and `room` zeroed positions after them; a sliding layer's
+    over the window before `num_tokens` only (`can_resume_at` says whether the blocks hold it)."""
     payloads = [pool.payload(block_id) for block_id in block_ids]
+    size, held = spec.block_size, num_tokens if num_held is None else num_held
 
-    def joined(slot: int, part: int) -> mx.array:
-        arrays = [codec.decode(p[slot][part]) for p in payloads]
-        if room:
-            arrays.append(mx.zeros((*arrays[0].shape[:2], room, arrays[0].shape[3]), dtype=arrays[0].dtype))
-        return mx.concatenate(arrays, axis=2)
+    def joined(slot: int, part: int, first_block: int, last_block: int, pad: int) -> mx.array:
+        arrays = [codec.decode(p[slot][part]) for p in payloads[first_block:last_block]]
+        if pad:
+            arrays.append(mx.zeros((*arrays[0].shape[:2], pad, arrays[0].shape[3]), dtype=arrays[0].dtype))
+        return mx.concatenate(arrays, axis=2) if len(arrays) > 1 else arrays[0]
 
-    return [(joined(slot, 0), joined(slot, 1)) for slot in range(len(spec.full_layer_ids))]
+    layers = []
+    last = spec.num_blocks_for(num_tokens)
+    for slot, layer in enumerate(spec.attention_layer_ids):
+        window = spec.layer_windows[layer]
+        if window is None:
+            layers.append((joined(slot, 0, 0, len(payloads), room), joined(slot, 1, 0, len(payloads), room)))
+            continue
+        start = max(0, num_tokens - window)
+        first = start // size
+        begins = piece_start(codec, payloads[first][slot], first * size, min(size, held - first * size))
+        cut = slice(start - begins, num_tokens - begins)
+        keys, values = joined(slot, 0, first, last, 0), joined(slot, 1, first, last, 0)
+        layers.append((keys[..., cut, :], values[..., cut, :]))
+    return layers
+
+
+def piece_start(codec: BlockCodec, piece: Any, block_start: int, block_length: int) -> int:
+    """The first token a block's piece of a sliding layer holds: a piece is the end of its block
+    (the window had passed the rest when the block was filed)."""
+    return block_start + block_length - codec.num_tokens(piece[0])
+
+
+def window_start(
+    pool: BlockPool, codec: BlockCodec, spec: ModelCacheSpec, block_ids: list[int], slot: int, num_held: int
+) -> int:
+    """The first token from which on the blocks `block_ids` (holding `num_held` tokens) hold attention
+    layer `slot` without a gap, to their end (`num_held` where the last holds none of it)."""
+    size, start = spec.block_size, min(num_held, len(block_ids) * spec.block_size)
+    for index in range(len(block_ids) - 1, -1, -1):
+        piece = pool.payload(block_ids[index])[slot]
+        if piece is None:
+            break
+        start = piece_start(codec, piece, index * size, min(size, num_held - index * size))
+        if start > index * size:
+            break
+    return start
+
+
+def can_resume_at(
+    pool: BlockPool,
+    codec: BlockCodec,
+    spec: ModelCacheSpec,
+    block_ids: list[int],
+    num_tokens: int,
+    num_held: int,
+) -> bool:
+    """Whether every sliding layer holds the window before `num_tokens` in `block_ids` (which hold
+    `num_held` tokens)."""
+    last = spec.num_blocks_for(num_tokens)
+    for slot, layer in enumerate(spec.attention_layer_ids):
+        window = spec.layer_windows[layer]
+        if window is None or num_tokens == 0:
+            continue
+        if window_start(pool, codec, spec, block_ids[:last], slot, num_held) > max(0, num_tokens - window):
+            return False
+    return True
 
 
 class HistoryKVCache(KVCache):
@@ -111,49 +181,70 @@ class HistoryKVCache(KVCache):
 def layer_caches(
     spec: ModelCacheSpec,
     caches: list[Any],
-    full_layers: list[tuple[Any, Any]],
+    attention_kv: list[tuple[Any, Any]],
     num_tokens: int,
-    sliding_states: list[Any],
-    sliding_trim: int = 0,
+    state: StatePoint | None,
 ) -> list[Any]:
-    """Fill `caches` (fresh mlx-lm per-layer caches): full layers from keys and values, sliding
-    ones from their states, trimmed by `sliding_trim` tokens."""
-    for (keys, values), layer in zip(full_layers, spec.full_layer_ids, strict=True):
-        full = HistoryKVCache()
-        full.state = (keys, values, num_tokens)
-        caches[layer] = full
-    for state, layer in zip(sliding_states, spec.sliding_layer_ids, strict=True):
-        sliding = RotatingKVCache(max_size=1)
-        sliding.state = state
-        if sliding_trim:
-            sliding.trim(sliding_trim)
-        caches[layer] = sliding
+    """Fill `caches` (fresh mlx-lm per-layer caches) for a sequence's first `num_tokens` tokens:
+    attention layers from `attention_kv` (`attention_kv_of`), recurrent ones from `state`."""
+    for (keys, values), layer in zip(attention_kv, spec.attention_layer_ids, strict=True):
+        window = spec.layer_windows[layer]
+        if window is None:
+            full = HistoryKVCache()
+            full.state = (keys, values, num_tokens)
+            caches[layer] = full
+        else:
+            sliding = RotatingKVCache(max_size=window)
+            sliding.state = (keys, values, num_tokens, 0, window, int(keys.shape[2]))
+            caches[layer] = sliding
+    if spec.has_state_layers:
+        assert state is not None and state.num_tokens == num_tokens, (
+            "no state where the turn resumes: engine bug"
+        )
+        for arrays, layer in zip(state.layers, spec.state_layer_ids, strict=True):
+            recurrent = caches[layer]
+            assert isinstance(recurrent, ArraysCache), (
+                "a state layer's cache is not an ArraysCache: engine bug"
+            )
+            recurrent.cache = list(arrays)
     return caches
 
 
-def sliding_state(state: tuple[Any, ...]) -> tuple[Any, ...]:
-    """A sliding-window layer's state as its cache object gives it back (read from a file)."""
-    sliding = RotatingKVCache(max_size=1)
-    sliding.state = state
-    return tuple(sliding.state)
-
-
-def kv_of(cache: Any, num_tokens: int) -> tuple[mx.array, mx.array]:
+def kv_run(cache: Any, num_tokens: int) -> tuple[mx.array, mx.array, int]:
+    """A live attention layer's keys and values of the sequence's tokens [start, num_tokens), and
+    start: every token for a full layer, those still in the window for a sliding one."""
+    if isinstance(cache, RotatingKVCache):
+        keys, values = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+        held = min(int(keys.shape[2]), cache.offset)
+        assert cache.offset == num_tokens, "sliding cache and token list disagree: engine bug"
+        return keys[..., -held:, :], values[..., -held:, :], num_tokens - held
     keys, values = cache.state[0], cache.state[1]
     assert keys.shape[2] >= num_tokens, "cache holds fewer tokens than its token list: engine bug"
-    return keys[..., :num_tokens, :], values[..., :num_tokens, :]
+    return keys[..., :num_tokens, :], values[..., :num_tokens, :], 0
+
+
+def state_point_of(spec: ModelCacheSpec, caches: list[Any], num_tokens: int) -> StatePoint | None:
+    """The recurrent layers' state in a sequence's live caches, copied (so it keeps no batch array
+    alive); None for a model without recurrent layers."""
+    if not spec.has_state_layers:
+        return None
+    layers = tuple(tuple(mx.array(array) for array in caches[layer].cache) for layer in spec.state_layer_ids)
+    mx.eval(layers)
+    return StatePoint(num_tokens, layers)
 
 
 def block_payload(
-    full_kv: list[tuple[Any, Any]], start: int, length: int, encode: Callable[[Any], Any]
+    kv_runs: list[tuple[Any, Any, int]], start: int, length: int, encode: Callable[[Any], Any]
 ) -> tuple[Any, ...]:
-    """One block's keys and values for every full-attention layer, copied out of the sequence's
-    arrays by `encode` (`BlockCodec.encode` for MLX arrays, `encode_host` for a file's)."""
+    """One block's keys and values for every attention layer, copied out of the sequence's arrays by
+    `encode` (`BlockCodec.encode` for MLX arrays, `encode_host` for a file's): the part of the block
+    each run (`kv_run`) holds, which for a sliding layer may be only its end, or none (None)."""
     end = start + length
-    return tuple((encode(k[..., start:end, :]), encode(v[..., start:end, :])) for k, v in full_kv)
-
-
-def rotating_can_trim(state: tuple[Any, ...], num_tokens: int) -> bool:
-    cache = RotatingKVCache(max_size=1)
-    cache.state = state
-    return num_tokens == 0 or cache.is_trimmable()
+    payload: list[Any] = []
+    for keys, values, kv_start in kv_runs:
+        if keys is None or kv_start >= end or end - kv_start > keys.shape[2]:
+            payload.append(None)
+            continue
+        cut = slice(max(start, kv_start) - kv_start, end - kv_start)
+        payload.append((encode(keys[..., cut, :]), encode(values[..., cut, :])))
+    return tuple(payload)

@@ -11,13 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import xxhash
+from loguru import logger
 from mlx_lm.utils import load as mlx_lm_load
 
 from semantic.engine.cache_spec import ModelCacheSpec
-from semantic.engine.default_model import DEFAULT_MODEL_SAMPLING, ensure_default_model
+from semantic.engine.default_model import DEFAULT_MODEL_SAMPLING, ensure_default_model, user_cache_dir
 from semantic.engine.distributed import GroupLayout
 from semantic.engine.registry import DEFAULT_MODEL_SOURCES, model_name_for
 from semantic.engine.sampling import GenerationDefaults
+from semantic.engine.weights_digest import digests_of
 
 DEFAULT_CONTEXT_LENGTH = 8192
 
@@ -34,6 +37,7 @@ class LoadedModel:
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     max_chars_per_token: int = 1 << 20  # see longest_token_length
     layout: GroupLayout | None = None  # this rank's part of a model split over a group
+    legacy_fingerprint: str = ""  # what releases before format 3 named its agents folder by
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -71,13 +75,44 @@ def resolve_model_path(source: str, default_dtype: str = "float32", models_dir: 
     return source
 
 
-def fingerprint_model(model_dir: Path) -> str:
-    """Identify weights and config without reading every byte: config plus each file's header and ends."""
+# Besides the weights, what mlx-lm reads that decides the computation: the config (architecture,
+# dtype, quantization) and ModelOpt's quantization settings, which it reads from a file of their own.
+FINGERPRINTED_CONFIGS = ("config.json", "hf_quant_config.json")
+WEIGHTS_GLOB = "*.safetensors"  # mlx-lm reads `model*.safetensors`; hash any that might be weights
+DIGESTS_FILE_NAME = "weight-digests.json"
+
+
+def fingerprint_model(model_dir: Path, digests_path: Path | None = None) -> str:
+    """Identify what decides a cache's KV: the config files and every byte of every weights file
+    (the default model's dtype is in its weights' bytes). Each file's digest is kept in
+    `digests_path` against its identity, so a restart does not read the weights again."""
+    fingerprint = xxhash.xxh3_128()
+    for name in FINGERPRINTED_CONFIGS:
+        path = model_dir / name
+        if path.exists():
+            data = path.read_bytes()
+            fingerprint.update(f"{name}:{len(data)}:".encode() + data)
+    files = sorted(model_dir.glob(WEIGHTS_GLOB))
+    if digests_path is not None and not digests_path.exists():
+        logger.info(
+            "fingerprinting {} over every weight byte (kept in {}); cache folders written by releases "
+            "that fingerprinted only each file's header and ends are not read: their agents start cold",
+            model_dir,
+            digests_path,
+        )
+    for path, digest in zip(files, digests_of(files, digests_path), strict=True):
+        fingerprint.update(f"{path.name}:{digest}\n".encode())
+    return str(fingerprint.hexdigest())
+
+
+def legacy_fingerprint(model_dir: Path) -> str:
+    """The fingerprint releases before format 3 named a model's agents folder by (config plus each
+    weights file's header and ends): only to find the conversation records kept there."""
     digest = hashlib.sha256()
     config = model_dir / "config.json"
     if config.exists():
         digest.update(config.read_bytes())
-    for weights in sorted(model_dir.glob("*.safetensors")):
+    for weights in sorted(model_dir.glob(WEIGHTS_GLOB)):
         size = weights.stat().st_size
         digest.update(f"{weights.name}:{size}".encode())
         with open(weights, "rb") as f:
@@ -87,6 +122,11 @@ def fingerprint_model(model_dir: Path) -> str:
             f.seek(max(0, size - (1 << 20)))
             digest.update(f.read(1 << 20))
     return digest.hexdigest()[:32]
+
+
+def digests_path_for(models_dir: Path | None) -> Path:
+    """Where weight digests are kept: the models folder (the user cache's `models/` by default)."""
+    return (models_dir or user_cache_dir() / "models") / DIGESTS_FILE_NAME
 
 
 def context_length_of(model_dir: Path, tokenizer: Any) -> int:
@@ -119,7 +159,8 @@ def load_model(
         model, tokenizer = load_shard(path, model_dir, layout)
     model_dir = model_dir or _hub_snapshot_dir(path)
     mx.eval(model.parameters())
-    fingerprint = fingerprint_model(model_dir)
+    fingerprint = fingerprint_model(model_dir, digests_path_for(models_dir))
+    legacy = legacy_fingerprint(model_dir) if layout is None else ""
     if layout is not None:  # a shard's caches hold its heads or layers only: never another layout's
         fingerprint = hashlib.sha256(f"{fingerprint}:{layout.name}".encode()).hexdigest()[:32]
     return LoadedModel(
@@ -129,6 +170,7 @@ def load_model(
         tokenizer=tokenizer,
         spec=ModelCacheSpec.from_model(model, block_size),
         fingerprint=fingerprint,
+        legacy_fingerprint=legacy,
         layout=layout,
         context_length=context_length_of(model_dir, tokenizer),
         generation_defaults=generation_defaults_of(model_dir, is_default_model(source)),

@@ -34,6 +34,9 @@ class GenerationRequest:
     grammar: GrammarMatcher | None = None
     # The reply continues the prompt's text (a prefill, a raw completion): its first space is kept.
     continues_text: bool = False
+    # How many leading prompt tokens other agents' prompts are likely to share (the rendered system
+    # prompt and tools): a model with recurrent layers keeps its state there for them (0: unknown).
+    shared_head_tokens: int = 0
 
 
 @dataclass(slots=True)

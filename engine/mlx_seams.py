@@ -20,6 +20,7 @@ from loguru import logger
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import base
 
+from semantic.engine.cache_spec import UnsupportedModelError
 from semantic.engine.kv_seams import check_kv_seams
 from semantic.engine.seam_check import WRITTEN_FOR, generate_module, require
 from semantic.engine.seam_check import SeamError as SeamError
@@ -40,6 +41,38 @@ def check_version(version: str = mlx_lm.__version__) -> bool:
             *WRITTEN_FOR,
         )
     return inside
+
+
+# Model families whose mlx-lm code cannot run in a batch (mlx-lm's own BatchGenerator fails the same
+# way), with why: refused at load, since a batch is how semantic runs every request.
+UNBATCHABLE_FAMILIES = {
+    "gemma2": (
+        "mlx-lm's gemma2 attention applies a batch's mask (one row a sequence) to scores grouped by KV "
+        "head: three sequences fail to broadcast, and two sequences with two KV heads mix each other's "
+        "masks"
+    ),
+    "gpt_bigcode": (
+        "mlx-lm's gpt_bigcode reads its cache's offset as one number for its learned positions; a batch "
+        "has one offset a sequence"
+    ),
+}
+
+
+def check_batchable(model: Any) -> None:
+    """Raise UnsupportedModelError for a model of a family mlx-lm cannot batch."""
+    family = str(
+        getattr(getattr(model, "args", None), "model_type", None) or getattr(model, "model_type", "")
+    )
+    reason = UNBATCHABLE_FAMILIES.get(family)
+    if reason is not None and (family != "gemma2" or _groups_heads(model)):
+        raise UnsupportedModelError(f"{family} cannot decode in a batch: {reason}")
+
+
+def _groups_heads(model: Any) -> bool:
+    """Whether the model's attention groups query heads onto fewer KV heads (gemma2's broken path)."""
+    args = getattr(model, "args", None)
+    heads, kv_heads = getattr(args, "num_attention_heads", 0), getattr(args, "num_key_value_heads", 0)
+    return bool(heads and kv_heads and heads != kv_heads)
 
 
 def check_seams(model: Any = None) -> None:
@@ -105,7 +138,7 @@ def check_generator(generator: Any) -> None:
             getattr(generator, name),
         )
     for method, parameters in (
-        ("insert", ("prompts", "max_tokens", "caches", "all_tokens", "samplers")),
+        ("insert_segments", ("segments", "max_tokens", "caches", "all_tokens", "samplers")),
         ("remove", ("uids", "return_prompt_caches")),
         ("extract_cache", ("uids",)),
     ):
@@ -132,6 +165,14 @@ def check_generator(generator: Any) -> None:
         generator._generation_batch,
     )
     require("BatchGenerator has `_find_uids` (cache_views() reads it)", hasattr, generator, "_find_uids")
+    require(
+        "BatchGenerator's `next()` ends a prefill chunk at a segment's end and says so in its progress "
+        "(a recurrent model's state is kept there)",
+        lambda: (
+            "end_of_segment = True" in inspect.getsource(type(generator)._next)
+            or "end_of_segment = True" in inspect.getsource(BatchGenerator._next)
+        ),
+    )
 
 
 def check_responses() -> None:

@@ -92,6 +92,8 @@ class RunningSequences:
                 ended_prompts.append(progress.uid)
             else:
                 prefilling.prefilled(*progress.progress)
+                if progress.end_of_segment and prefilling.num_prefilled in prefilling.state_checkpoints:
+                    self._keeper.checkpoint_reached(progress.uid)
         self._keeper.prompts_prefilled(ended_prompts)
         return ended_prompts
 

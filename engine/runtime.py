@@ -19,6 +19,7 @@ from semantic.engine.agent_cache import AgentCacheStore
 from semantic.engine.batch import Batch
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_matching import is_anonymous
+from semantic.engine.cache_spec import describe_layers
 from semantic.engine.cache_tensors import (
     CacheSnapshot,
     SerializedCache,
@@ -59,6 +60,7 @@ class Runtime:
         mlx_seams.check_version()
         loaded = load_model(source, config.block_size, config.default_dtype, name, config.models_dir, layout)
         mlx_seams.check_seams(loaded.model)
+        mlx_seams.check_batchable(loaded.model)
         cpu_kernels.install_kernel_hooks()
         spec = loaded.spec
         codec = BlockCodec.for_spec(spec, config.idle_kv_bits)
@@ -66,14 +68,18 @@ class Runtime:
         if collectives is not None:
             num_blocks = min(collectives.gather(budget_bytes // codec.bytes_per_block(spec), "pool size"))
             budget_bytes = num_blocks * codec.bytes_per_block(spec)
-        pool = BlockPool.from_budget(budget_bytes, codec.bytes_per_block(spec), spec.block_size)
+        pool = BlockPool.from_budget(
+            budget_bytes, codec.bytes_per_block(spec), spec.block_size, spec.window_slots, spec.window_extra
+        )
         model = loaded.model
         store = AgentCacheStore(spec, pool, lambda: make_prompt_cache(model), codec)
         batch = Batch(loaded, pool, store, config, stream, stats, outbox)
         logger.info(
-            "loaded {} ({} layers, {} KV heads, head dim {}, {}); pool {} blocks of {} tokens = {:.0f} MiB{}",
+            "loaded {} ({} layers: {}; {} KV heads, head dim {}, {}); "
+            "pool {} blocks of {} tokens = {:.0f} MiB{}",
             loaded.name,
             spec.num_layers,
+            describe_layers(spec),
             spec.num_kv_heads,
             spec.head_dim,
             spec.dtype,
@@ -95,8 +101,7 @@ class Runtime:
 
     def restore(self, cache: SerializedCache, salt: str | None = None) -> None:
         spec = self.loaded.spec
-        snapshot = from_tensors(cache, spec.dtype, len(spec.full_layer_ids), len(spec.sliding_layer_ids))
-        self.store.restore(snapshot, salt)
+        self.store.restore(from_tensors(cache, spec), salt)
 
     def take(self, agent_id: str) -> SerializedCache | None:
         agent = self.store.agents.get(agent_id)
@@ -137,6 +142,10 @@ class Runtime:
             ref_counts=sorted(b.ref_count for b in pool.blocks if b.ref_count),
             agent_id_to_block_ids={a.agent_id: list(a.block_ids) for a in agents},
             agent_id_to_num_tokens={a.agent_id: a.num_tokens for a in agents},
+            window_block_ids=[
+                b.block_id for b in pool.blocks if b.ref_count and pool.holds_window(b.block_id)
+            ],
+            num_shared_states=len(self.store.shared_states),
         )
 
     def reference_generate(self, prompt_tokens: list[int], max_tokens: int) -> list[int]:

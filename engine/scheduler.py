@@ -158,9 +158,13 @@ class Scheduler:
         PoolExhaustedError, evicting nothing, where even all of them would not make room."""
         store, pool = runtime.store, runtime.pool
         token_ids = [int(t) for t in cache.tensors["tokens"]]
-        num_new = runtime.loaded.spec.num_blocks_for(len(token_ids)) - len(
-            store.held_block_ids(token_ids, salt)
+        spec = runtime.loaded.spec
+        starts = cache.kv_starts or [0] * len(spec.attention_layer_ids)
+        window_start = min(
+            (s for s, slides in zip(starts, spec.window_slots_mask, strict=True) if slides),
+            default=len(token_ids),
         )
+        num_new = store.num_blocks_to_restore(token_ids, len(cache.state_points), window_start, salt)
         spared = self.queued_agent_ids
         evictable = {b for a in store.evictable() if a.agent_id not in spared for b in a.block_ids}
         if pool.num_free_blocks + len(evictable) < num_new:
@@ -179,6 +183,8 @@ class Scheduler:
                 break
             if agent.agent_id not in spared:
                 evicted.append(store.evict(agent.agent_id))
+        while not pool.can_allocate(num_blocks) and store.drop_shared_state():
+            pass
         if evicted:
             logger.info("evicted {} agent caches to free {} blocks", len(evicted), num_blocks)
         return pool.can_allocate(num_blocks)
@@ -221,7 +227,7 @@ class Scheduler:
 
 def _blocks_needed(runtime: Runtime, request: GenerationRequest) -> int:
     """The KV blocks a request's prompt and reply take (before any reuse of its agent's cache)."""
-    return runtime.loaded.spec.num_blocks_for(len(request.prompt_tokens) + request.sampling.max_tokens)
+    return runtime.loaded.spec.num_blocks_reserved(len(request.prompt_tokens) + request.sampling.max_tokens)
 
 
 def _uncached(store: AgentCacheStore, submit: Submit) -> int:

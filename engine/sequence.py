@@ -36,6 +36,19 @@ class Sequence:
     logits_processors: list[Any] = field(default_factory=list)
     num_left_to_prefill: int | None = None  # by the generator's last progress report (None: none yet)
     prefill_offset: int = 0  # uncached prompt tokens already prefilled when it was last inserted
+    # Where its prefill stops to keep what resuming there takes for other agents (segment ends: a
+    # recurrent model's state, a sliding one's windows), what was kept there (`Checkpoint`s, shared
+    # once its blocks are), and a recurrent model's state where its prompt ended.
+    state_checkpoints: list[int] = field(default_factory=list)
+    checkpoints: list[Any] = field(default_factory=list)
+    prompt_state: Any = None
+
+    @property
+    def num_prefilled(self) -> int:
+        """Prompt tokens in its cache by the generator's last progress report."""
+        if self.num_left_to_prefill is None:
+            return self.num_cached_tokens
+        return len(self.request.prompt_tokens) - self.num_left_to_prefill
 
     @property
     def num_uncached_tokens(self) -> int:

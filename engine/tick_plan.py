@@ -60,6 +60,7 @@ class SubmitOp(msgspec.Struct, tag=True):
     repetition_penalty: float = 1.0
     logit_bias: list[tuple[int, float]] = msgspec.field(default_factory=list)
     continues_text: bool = False  # the reply's text, and so where stop strings match, depends on it
+    shared_head_tokens: int = 0  # where a recurrent model's prefill stops to keep its state
 
 
 class CancelOp(msgspec.Struct, tag=True):
@@ -212,6 +213,7 @@ def _submit_op(request: GenerationRequest, queued_at: float) -> SubmitOp:
         repetition_penalty=sampling.repetition_penalty,
         logit_bias=list(sampling.logit_bias),
         continues_text=request.continues_text,
+        shared_head_tokens=request.shared_head_tokens,
     )
 
 
@@ -243,4 +245,5 @@ def request_of(op: SubmitOp) -> GenerationRequest:
         model_fingerprint=op.model_fingerprint,
         cache_salt=op.cache_salt,
         continues_text=op.continues_text,
+        shared_head_tokens=op.shared_head_tokens,
     )

@@ -39,6 +39,30 @@ class DiskEntry:
         self.has_cache, self.num_cached_tokens, self.tokens_digest = False, 0, ""
 
 
+def adopt_conversations(legacy_dir: Path, agents_dir: Path) -> int:
+    """Worker thread, at start: move the conversation records a release before format 3 kept in the
+    folder it named by its weaker fingerprint into this model's folder, once (where that folder does
+    not exist yet), so no agent of the direct API is lost. Its cache files stay behind, unread: made
+    in format 2 and under a fingerprint that could not tell apart weights that differ mid-file."""
+    if agents_dir.exists() or not legacy_dir.is_dir():
+        return 0
+    agents_dir.mkdir(parents=True, exist_ok=True)
+    moved = 0
+    for path in legacy_dir.iterdir():
+        if path.name.endswith(CONVERSATION_SUFFIX) and not is_temp_name(path.name):
+            os.replace(path, agents_dir / path.name)
+            moved += 1
+    if moved:
+        logger.info(
+            "moved {} conversation records from {} (named by the fingerprint before format 3) to {}; "
+            "the cache files left there are not read",
+            moved,
+            legacy_dir,
+            agents_dir,
+        )
+    return moved
+
+
 def scan_folder(agents_dir: Path) -> tuple[dict[AgentId, DiskEntry], dict[AgentId, CacheFileUse]]:
     """Worker thread, at start: index the folder (and its cache files' sizes and last uses) and
     remove the temp files and staging folders a crash left behind, which the disk budget counts

@@ -22,12 +22,20 @@ import xxhash
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from semantic.engine.cache_tensors import SerializedCache, tokens_digest
+from semantic.engine.cache_tensors import (
+    SerializedCache,
+    attention_tensor_name,
+    state_tensor_name,
+    tokens_digest,
+)
 from semantic.engine.loading import LoadedModel
 from semantic.storage.disk_full import as_disk_full, os_error_in
 
-FORMAT_VERSION = "2"
-READABLE_VERSIONS = ("1", "2")  # 1 differs only in its checksum (SHA-256)
+# 3: attention layers by position among attention layers, a sliding layer's from the first token its
+# blocks hold, and recurrent layers' state points. Files of 1 and 2 (full and sliding layers apart,
+# a sliding layer's rotating buffer) are set aside: their agents start cold.
+FORMAT_VERSION = "3"
+READABLE_VERSIONS = ("3",)
 
 
 class CacheFileError(ValueError):
@@ -42,6 +50,7 @@ class CacheIdentity:
     spec: dict[str, Any]
     vocab_size: int = 0  # token ids read from disk must be below it (0: unchecked)
     layout: str = ""  # a rank's part of a model split over a group ("" for a single process)
+    legacy_fingerprint: str = ""  # its agents folder's name before format 3 (conversations moved on)
 
 
 def identity_of(loaded: LoadedModel) -> CacheIdentity:
@@ -53,6 +62,7 @@ def identity_of(loaded: LoadedModel) -> CacheIdentity:
         loaded.spec.to_dict(),
         loaded.num_embedding_rows,
         loaded.layout.shard if loaded.layout is not None else "",
+        loaded.legacy_fingerprint,
     )
 
 
@@ -135,7 +145,8 @@ def write_cache_file(path: Path, cache: SerializedCache, identity: CacheIdentity
         "model_fingerprint": identity.fingerprint,
         "block_size": str(identity.block_size),
         "cache_spec": json.dumps(identity.spec, sort_keys=True),
-        "sliding_meta": json.dumps(cache.sliding_meta),
+        "kv_starts": json.dumps(cache.kv_starts or [0] * _num_attention_layers(identity.spec)),
+        "state_points": json.dumps(cache.state_points),
         "num_tokens": str(cache.num_tokens),
         "tokens_digest": (digest := tokens_digest(tensors["tokens"])),
         "layout": identity.layout,
@@ -205,21 +216,57 @@ def _verified(
         raise CacheFileError(f"written for agent {metadata.get('agent_id')!r}, not {agent_id!r}")
     tokens = tensors.get("tokens")
     num_tokens = int(metadata["num_tokens"])
-    sliding_meta = json.loads(metadata["sliding_meta"])
-    if not isinstance(sliding_meta, list) or not all(
-        isinstance(meta, list) and len(meta) == 4 and all(type(value) is int for value in meta)
-        for meta in sliding_meta
-    ):
-        raise CacheFileError("sliding_meta is not a list of [offset, keep, max_size, idx] integers")
     if tokens is None or tokens.ndim != 1 or len(tokens) != num_tokens:
         raise CacheFileError("token list missing or not as long as the metadata says")
-    short = [
-        name
-        for name, tensor in tensors.items()
-        if name.startswith("full.") and (tensor.ndim != 4 or tensor.shape[2] < num_tokens)
-    ]
-    if short:
-        raise CacheFileError(f"{short[0]} does not hold the {num_tokens} tokens the metadata says")
+    kv_starts = _kv_starts(json.loads(metadata["kv_starts"]), identity.spec, num_tokens)
+    for slot, start in enumerate(kv_starts):
+        for part in ("keys", "values"):
+            tensor = tensors.get(attention_tensor_name(slot, part))
+            if start == num_tokens and tensor is None:
+                continue  # a sliding layer that holds nothing
+            if tensor is None or tensor.ndim != 4 or tensor.shape[2] < num_tokens - start:
+                raise CacheFileError(f"attention layer {slot} does not hold tokens {start} to {num_tokens}")
+    state_points = _state_points(json.loads(metadata["state_points"]), tensors, num_tokens)
     if len(tokens) and (tokens.min() < 0 or (identity.vocab_size and tokens.max() >= identity.vocab_size)):
         raise CacheFileError(f"token ids outside the vocabulary (0..{identity.vocab_size - 1})")
-    return SerializedCache(metadata["agent_id"], tensors, sliding_meta, num_tokens)
+    return SerializedCache(metadata["agent_id"], tensors, kv_starts, num_tokens, state_points)
+
+
+def _num_attention_layers(spec: dict[str, Any]) -> int:
+    return sum(kind != "state" for kind in spec.get("layer_kinds", []))
+
+
+def _kv_starts(stated: object, spec: dict[str, Any], num_tokens: int) -> list[int]:
+    """Per attention layer the first token it holds: 0 for a full layer, at most `num_tokens`."""
+    kinds = [kind for kind in spec.get("layer_kinds", []) if kind != "state"]
+    if not isinstance(stated, list) or len(stated) != len(kinds):
+        raise CacheFileError(f"kv_starts is not a list of {len(kinds)} token positions")
+    for start, kind in zip(stated, kinds, strict=True):
+        if type(start) is not int or not 0 <= start <= num_tokens or (kind == "full" and start):
+            raise CacheFileError(f"kv_starts holds {start!r} for a {kind} layer of {num_tokens} tokens")
+    return stated
+
+
+def _state_points(
+    stated: object, tensors: dict[str, np.ndarray], num_tokens: int
+) -> list[tuple[int, list[int]]]:
+    """The state points a file states, each with its tensors present: [token count, arrays per layer]."""
+    if not isinstance(stated, list):
+        raise CacheFileError("state_points is not a list")
+    points: list[tuple[int, list[int]]] = []
+    for index, point in enumerate(stated):
+        if (
+            not isinstance(point, list)
+            or len(point) != 2
+            or type(point[0]) is not int
+            or not 0 < point[0] <= num_tokens
+            or not isinstance(point[1], list)
+            or not all(type(count) is int and 0 <= count < 64 for count in point[1])
+        ):
+            raise CacheFileError(f"state point {index} is not [tokens, [arrays per layer]]")
+        for layer, count in enumerate(point[1]):
+            for array in range(count):
+                if state_tensor_name(index, layer, array) not in tensors:
+                    raise CacheFileError(f"state point {index} lacks its array {layer}.{array}")
+        points.append((point[0], list(point[1])))
+    return points

@@ -25,6 +25,7 @@ from semantic.storage.agents_folder import (
     CONVERSATION_SUFFIX,
     SUFFIX,
     DiskEntry,
+    adopt_conversations,
     case_twin,
     ignores_case,
     move_aside,
@@ -93,6 +94,9 @@ class PersistenceActor:
     # ---- the asking side ----
 
     async def start(self) -> None:
+        legacy = self.identity.legacy_fingerprint
+        if legacy and legacy[:16] != self.identity.fingerprint[:16]:
+            await self._io(adopt_conversations, self.agents_dir.parent / legacy[:16], self.agents_dir)
         if self.ignores_case is None:
             self.ignores_case = await self._io(ignores_case, self.agents_dir)
         self._index, self.disk_budget.files = await self._io(scan_folder, self.agents_dir)

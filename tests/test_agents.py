@@ -260,10 +260,6 @@ async def test_damaged_cache_file_is_quarantined_and_agent_starts_cold(
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_agents_sharing_a_system_prompt_store_it_once(system: AgentSystem) -> None:
-    if system.engine.model.spec.has_sliding_layers:
-        pytest.skip(
-            "sliding-window layers keep per-agent snapshots; block sharing covers full-attention models"
-        )
     tokenizer = system.engine.model.tokenizer
     shared = "You are a meticulous assistant. " * 120
     block_size = system.engine.model.spec.block_size
@@ -284,14 +280,20 @@ async def test_agents_sharing_a_system_prompt_store_it_once(system: AgentSystem)
     before = await used_blocks()
     await run_turn(await generate(system, "share-0", prompts[0], SamplingParams(max_tokens=4)))
     first = await used_blocks() - before
+    spec = system.engine.model.spec
     for i in range(1, 4):
         _, started, _ = await run_turn(
             await generate(system, f"share-{i}", prompts[i], SamplingParams(max_tokens=4))
         )
-        assert started.num_cached_tokens >= block_size
+        # Token ids say nowhere where the system prompt ends: a sliding-window model's first agent to
+        # share the blocks stops its prefill at their end to keep the window there for the rest.
+        if i > 1 or not spec.has_sliding_layers:
+            assert started.num_cached_tokens >= block_size
     per_other_agent = (await used_blocks() - before - first) / 3
     assert first >= 3
-    assert per_other_agent <= 1  # only the private tail block
+    # Only the private tail block, and a sliding model's windows near where each prompt ends (and,
+    # once, where the shared blocks end).
+    assert per_other_agent <= 1 + 2 * spec.window_extra
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -113,3 +113,72 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 TestPoolMachine = PoolMachine.TestCase
+
+
+class WindowPoolMachine(PoolMachine):
+    """A pool whose blocks may hold sliding layers (slot 1 of a payload), charged two more blocks
+    each: the charge is taken from the free blocks as a payload gets them (or they are not kept),
+    given back as they are stripped or the block is reused, and never lost or counted twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(12, BLOCK_SIZE, window_slots=(1,), window_extra=2)
+
+    @precondition(lambda self: self.owned)
+    @rule(data=st.data(), token=st.integers(0, 3), windowed=st.booleans())
+    def publish_and_share(self, data: st.DataObject, token: int, windowed: bool = True) -> None:
+        blocks = self.owned[data.draw(st.integers(0, len(self.owned) - 1))]
+        block = blocks[0]
+        tokens = [token] * BLOCK_SIZE
+        digest = hash_block_tokens(None, tokens)
+        if self.pool.blocks[block].block_hash is None:
+            self.pool.cache_full_block(block, digest, tokens, payload=("kv", "window" if windowed else None))
+        hit = self.pool.get_cached_block(digest, tokens)
+        if hit is not None:
+            self.pool.touch([hit])
+            self.refs[hit] = self.refs.get(hit, 0) + 1
+            self.owned.append([hit])
+
+    @precondition(lambda self: self.owned)
+    @rule(data=st.data(), windowed=st.booleans())
+    def set_or_strip_window(self, data: st.DataObject, windowed: bool) -> None:
+        block = self.owned[data.draw(st.integers(0, len(self.owned) - 1))][0]
+        free_before = self.pool.num_free_blocks
+        charged_before = len(self.pool.blocks[block].extra_block_ids)
+        if windowed:
+            kept = self.pool.set_payload(block, ("kv", "window"))
+            assert (kept[1] is not None) == (charged_before == 2 or free_before >= 2)
+        else:
+            self.pool.strip_window(block)
+            assert not self.pool.holds_window(block)
+        charged = len(self.pool.blocks[block].extra_block_ids)
+        assert self.pool.num_free_blocks == free_before - (charged - charged_before)
+
+    @invariant()
+    def free_plus_used_is_total(self) -> None:
+        pool = self.pool
+        extras = [e for b in pool.blocks for e in b.extra_block_ids]
+        assert len(extras) == len(set(extras)), "a block charged to two windows"
+        owned = {b for b, r in self.refs.items() if r > 0}
+        assert not owned & set(extras), "a block both held and charged"
+        assert all(pool.blocks[e].ref_count == 1 for e in extras)
+        assert len(pool.free_block_ids) + len(owned) + len(extras) == pool.num_blocks
+        charged_to_free = sum(len(pool.blocks[b].extra_block_ids) for b in pool.free_block_ids)
+        assert pool.num_free_blocks == len(pool.free_block_ids) + charged_to_free
+
+    @invariant()
+    def a_block_is_charged_exactly_for_the_window_it_holds(self) -> None:
+        for block in self.pool.blocks:
+            holds = block.payload is not None and block.payload[1] is not None
+            assert len(block.extra_block_ids) == (2 if holds else 0)
+
+    @invariant()
+    def ref_counts_match_and_are_never_negative(self) -> None:
+        extras = {e for b in self.pool.blocks for e in b.extra_block_ids}
+        for block in self.pool.blocks:
+            if block.block_id not in extras:
+                assert block.ref_count == self.refs.get(block.block_id, 0) >= 0
+            assert (block.ref_count == 0) == (block.block_id in self.pool.free_block_ids)
+
+
+TestWindowPoolMachine = WindowPoolMachine.TestCase

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hashlib
 import weakref
 from pathlib import Path
 
@@ -20,15 +19,15 @@ from semantic.engine.cache_tensors import SerializedCache
 from semantic.storage.cache_file import CacheFileError, CacheIdentity, read_cache_file, write_cache_file
 from semantic.storage.persistence import PersistenceActor
 
-IDENTITY = CacheIdentity("tiny", "f" * 32, 256, {"num_layers": 1}, vocab_size=1000)
+IDENTITY = CacheIdentity("tiny", "f" * 32, 256, {"num_layers": 1, "layer_kinds": ["full"]}, vocab_size=1000)
 
 
 def a_cache(num_tokens: int = 40, seed: int = 0) -> SerializedCache:
     rng = np.random.default_rng(seed)
     tensors = {
         "tokens": rng.integers(0, 1000, num_tokens, dtype=np.int32),
-        "full.0.keys": rng.standard_normal((1, 2, num_tokens, 8)).astype(np.float32).view(np.uint32),
-        "full.0.values": rng.standard_normal((1, 2, num_tokens, 8)).astype(np.float32).view(np.uint32),
+        "attn.0.keys": rng.standard_normal((1, 2, num_tokens, 8)).astype(np.float32).view(np.uint32),
+        "attn.0.values": rng.standard_normal((1, 2, num_tokens, 8)).astype(np.float32).view(np.uint32),
     }
     return SerializedCache("agent-1", tensors, [], num_tokens)
 
@@ -51,19 +50,15 @@ def test_a_written_cache_reads_back(tmp_path: Path) -> None:
     assert_same(read_cache_file(tmp_path / "a.safetensors", IDENTITY, "agent-1"), cache)
 
 
-def test_a_cache_written_by_format_version_1_still_reads(tmp_path: Path) -> None:
-    """Version 1 differed only in its checksum: SHA-256 over each tensor's name and bytes."""
-    cache = a_cache()
-    path = tmp_path / "v1.safetensors"
-    write_cache_file(path, cache, IDENTITY)
-    metadata = metadata_of(path)
-    digest = hashlib.sha256()
-    for name in sorted(cache.tensors):
-        digest.update(name.encode())
-        digest.update(np.ascontiguousarray(cache.tensors[name]).tobytes())
-    metadata.update(format_version="1", checksum=digest.hexdigest())
-    save_file(load_file(str(path)), str(path), metadata=metadata)
-    assert_same(read_cache_file(path, IDENTITY, "agent-1"), cache)
+@pytest.mark.parametrize("version", ["1", "2"])
+def test_a_cache_of_an_earlier_layout_is_refused(tmp_path: Path, version: str) -> None:
+    """Versions 1 and 2 kept full and sliding layers apart, a sliding layer as its rotating buffer:
+    such a file is set aside (its agent starts cold), never read as today's layout."""
+    path = tmp_path / "old.safetensors"
+    write_cache_file(path, a_cache(), IDENTITY)
+    save_file(load_file(str(path)), str(path), metadata={**metadata_of(path), "format_version": version})
+    with pytest.raises(CacheFileError, match=f"format version '{version}'"):
+        read_cache_file(path, IDENTITY)
 
 
 def test_an_unknown_format_version_is_refused(tmp_path: Path) -> None:
@@ -93,7 +88,16 @@ def test_any_flipped_bit_in_the_tensors_is_caught(
 @settings(max_examples=60, deadline=None)
 @given(
     field=st.sampled_from(
-        ["format_version", "cache_spec", "num_tokens", "sliding_meta", "agent_id", "checksum", "layout"]
+        [
+            "format_version",
+            "cache_spec",
+            "num_tokens",
+            "kv_starts",
+            "state_points",
+            "agent_id",
+            "checksum",
+            "layout",
+        ]
     ),
     value=st.one_of(
         st.sampled_from(["", "null", "{", "[[1]]", "[[1, 2, 3, 4.5]]", '"x"', "-1", "1e9", "[" * 5000]),
@@ -126,7 +130,7 @@ def test_metadata_another_writer_made_is_refused_as_a_cache_file_error(
 def test_a_strided_tensor_is_written_as_its_elements(tmp_path: Path) -> None:
     """safetensors writes a strided array's memory as is; the writer must hand it elements."""
     cache = a_cache()
-    cache.tensors["full.0.keys"] = cache.tensors["full.0.keys"][:, ::-1]  # a view, not contiguous
+    cache.tensors["attn.0.keys"] = cache.tensors["attn.0.keys"][:, ::-1]  # a view, not contiguous
     write_cache_file(tmp_path / "strided.safetensors", cache, IDENTITY)
     assert_same(read_cache_file(tmp_path / "strided.safetensors", IDENTITY, "agent-1"), cache)
 
@@ -135,9 +139,9 @@ def test_a_layer_shorter_than_the_token_list_is_refused(tmp_path: Path) -> None:
     """A file whose checksum holds but whose keys cover fewer tokens than it lists (another
     version's bug): restoring it would file short blocks under the agent's tokens."""
     cache = a_cache()
-    cache.tensors["full.0.keys"] = cache.tensors["full.0.keys"][:, :, :-1, :]
+    cache.tensors["attn.0.keys"] = cache.tensors["attn.0.keys"][:, :, :-1, :]
     write_cache_file(tmp_path / "short.safetensors", cache, IDENTITY)
-    with pytest.raises(CacheFileError, match=r"full\.0\.keys does not hold the 40 tokens"):
+    with pytest.raises(CacheFileError, match="attention layer 0 does not hold tokens 0 to 40"):
         read_cache_file(tmp_path / "short.safetensors", IDENTITY)
 
 
@@ -148,7 +152,7 @@ def test_the_persistence_actor_keeps_nothing_of_a_cache_once_it_has_answered(tmp
     async def tensor_read_back(actor: PersistenceActor) -> np.ndarray:
         loaded = await actor.load(AgentId("agent-1"))
         assert loaded is not None
-        return loaded.tensors["full.0.keys"]
+        return loaded.tensors["attn.0.keys"]
 
     async def settled() -> None:
         for _ in range(3):  # the loop's callbacks that woke this task up let go of their futures
@@ -160,7 +164,7 @@ def test_the_persistence_actor_keeps_nothing_of_a_cache_once_it_has_answered(tmp
         await actor.start()
         try:
             cache = a_cache()
-            saved = weakref.ref(cache.tensors["full.0.keys"])
+            saved = weakref.ref(cache.tensors["attn.0.keys"])
             assert await actor.save([cache]) == ["agent-1"]
             del cache
             await settled()

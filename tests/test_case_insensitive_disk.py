@@ -24,8 +24,8 @@ IDENTITY = CacheIdentity("tiny", "f" * 32, 256, {"num_layers": 1}, vocab_size=10
 def a_cache(agent_id: str) -> SerializedCache:
     tensors = {
         "tokens": np.arange(8, dtype=np.int32),
-        "full.0.keys": np.zeros((1, 1, 8, 4), dtype=np.float32),
-        "full.0.values": np.ones((1, 1, 8, 4), dtype=np.float32),
+        "attn.0.keys": np.zeros((1, 1, 8, 4), dtype=np.float32),
+        "attn.0.values": np.ones((1, 1, 8, 4), dtype=np.float32),
     }
     return SerializedCache(agent_id, tensors, [], 8)
 

@@ -50,7 +50,7 @@ async def test_a_flush_writes_only_the_caches_that_changed_since_their_files(
 
 def _cache(agent_id: str, tokens: list[int]) -> SerializedCache:
     keys = np.ones((1, 2, 16, 4), dtype=np.float32)
-    tensors = {"tokens": np.array(tokens, dtype=np.int32), "full.0.keys": keys, "full.0.values": keys * 2}
+    tensors = {"tokens": np.array(tokens, dtype=np.int32), "attn.0.keys": keys, "attn.0.values": keys * 2}
     return SerializedCache(agent_id, tensors, [], len(tokens))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -248,3 +249,164 @@ def test_a_batch_cache_s_mask_made_on_the_engine_thread_is_attended_as_a_padded_
         hook(queries, keys, values, cache, scale=0.125, mask=mask & mask)
         hook(queries, keys, values, cache, scale=0.125, mask=elsewhere)
     assert [type(mask) for mask in seen] == [mx.array, mx.array]
+
+
+@st.composite
+def mla_inputs(draw: st.DrawFn) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Inputs as MLA models (DeepSeek V3, GLM-4 MoE Lite, Kimi) and others hand MLX's attention: a
+    mask per query head or broadcast over any axes, one latent KV head for every query head (MLA's
+    decode), values of another head size than the keys (MLA's prefill)."""
+    batch = draw(st.integers(1, 2))
+    heads = draw(st.sampled_from([1, 2, 4, 6]))
+    kv_heads = draw(st.sampled_from([k for k in (1, 2, heads) if heads % k == 0]))
+    length = draw(st.integers(1, 24))
+    cached = draw(st.integers(0, 150))
+    key_dims, value_dims = draw(st.sampled_from([8, 24])), draw(st.sampled_from([8, 16, 40]))
+    total = cached + length
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(draw(st.integers(0, 2**16))), 4)
+    queries = mx.random.normal((batch, heads, length, key_dims), key=k1)
+    keys = mx.random.normal((batch, kv_heads, total, key_dims), key=k2) * 3
+    values = mx.random.normal((batch, kv_heads, total, value_dims), key=k3)
+    full = (batch, heads, length, total)
+    # Each axis of [B, heads, L, S] kept or broadcast (1), and leading broadcast axes dropped.
+    kept = [draw(st.booleans()) for _ in full]
+    shape = tuple(size if keep else 1 for size, keep in zip(full, kept, strict=True))
+    num_dropped = draw(st.integers(0, [*kept, True].index(True)))
+    shape = shape[min(num_dropped, 3) :]
+    # Causal with holes, but the first column and each row's own position always visible: no row
+    # is wholly masked, however the mask is broadcast.
+    rows, columns = mx.arange(cached, total)[:, None], mx.arange(total)[None]
+    holes = mx.random.uniform(shape=full, key=k4) < 0.8
+    visible = (rows >= columns) & holes | (rows == columns) | (columns == 0)
+    visible = visible[tuple(slice(None) if keep else slice(0, 1) for keep in kept)].reshape(shape)
+    if draw(st.booleans()):
+        return queries, keys, values, visible
+    # MLA's mask: its RoPE scores where visible, the dtype's minimum elsewhere.
+    rope_scores = mx.random.normal(shape, key=k4) * 2
+    return queries, keys, values, mx.where(visible, rope_scores, mx.finfo(mx.float32).min)
+
+
+@settings(max_examples=80, deadline=None)
+@given(mla_inputs())
+def test_attention_equals_mlx_for_per_head_and_broadcast_masks_and_other_value_sizes(
+    inputs: tuple[mx.array, mx.array, mx.array, mx.array],
+) -> None:
+    queries, keys, values, mask = inputs
+    assert cpu_attention.supports(queries, keys, values, mask)
+    scale = queries.shape[-1] ** -0.5
+    expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    ours = cpu_attention.attention(queries, keys, values, scale, mask)
+    np.testing.assert_allclose(np.array(ours), np.array(expected), rtol=1e-4, atol=2e-5)
+
+
+def test_the_hook_gives_what_ours_does_not_support_to_mlx_s_own(hooked_model: Any) -> None:
+    from mlx_lm.models import llama
+
+    hook = llama.scaled_dot_product_attention
+    k1, k2, k3 = mx.random.split(mx.random.key(11), 3)
+    queries = mx.random.normal((1, 4, 9, 16), key=k1)
+    keys = mx.random.normal((1, 2, 6, 16), key=k2)
+    values = mx.random.normal((1, 2, 6, 16), key=k3)
+    integer_bias = mx.arange(54).reshape(9, 6) % 3 - 1
+    for mask in (integer_bias, "causal"):  # an integer mask; more queries than keys under "causal"
+        assert not cpu_attention.supports(queries, keys, values, mask)
+        expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.25, mask=mask)
+        with cpu_kernels.cpu_kernels_on_this_thread():
+            ours = hook(queries, keys, values, None, scale=0.25, mask=mask)  # type: ignore[arg-type]
+        np.testing.assert_array_equal(np.array(ours), np.array(expected))
+    wrong_heads = mx.zeros((1, 2, 9, 6))  # neither one mask for all heads nor one per query head
+    assert not cpu_attention.supports(queries, keys, values, wrong_heads)
+    with cpu_kernels.cpu_kernels_on_this_thread(), pytest.raises(ValueError, match="broadcast"):
+        mx.eval(hook(queries, keys, values, None, scale=0.25, mask=wrong_heads))
+
+
+# DeepSeek V3 at a tiny size: multi-head latent attention (values of another head size than the keys'
+# nope part), a dense first layer, then routed and shared experts.
+TINY_DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 49152,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 32,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 24,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+}
+
+
+async def _reply(system: Any, agent_id: str, prompt: list[int], max_tokens: int) -> tuple[list[int], Any]:
+    from semantic.actors.agent_id import AgentId
+    from semantic.actors.turns import TurnRequest
+    from semantic.engine.messages import PromptStarted, TokenDelta
+    from semantic.engine.sampling import SamplingParams
+
+    turn = TurnRequest(
+        uuid.uuid4().hex,
+        AgentId(agent_id),
+        [],
+        SamplingParams(max_tokens=max_tokens),
+        prompt_token_ids=prompt,
+    )
+    started, tokens = None, []
+    async for event in (await system.start_turn(turn)).stream:
+        if isinstance(event, PromptStarted):
+            started = event
+        elif isinstance(event, TokenDelta):
+            tokens.extend(event.token_ids)
+    eos = system.engine.model.eos_token_ids
+    return [token for token in tokens if token not in eos], started
+
+
+@pytest.mark.asyncio
+async def test_a_tiny_deepseek_v3_through_the_engine_gives_mlx_lm_s_tokens(
+    default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cold turn and the agent's next turn from its cache, token for token against mlx-lm's own
+    generation (run here, off the engine thread, so with MLX's attention); MLA's decode steps hand
+    the hook a mask per query head over one latent KV head."""
+    from semantic.actors.system import AgentSystem, SystemConfig
+    from semantic.engine.engine import EngineConfig
+    from tests.agent_api_client import cold_continuation
+    from tests.tiny_models import write_random_model
+
+    model_dir = write_random_model(dict(TINY_DEEPSEEK_V3), tmp_path / "model", default_model_dir)
+    calls: list[tuple[int, int, tuple[int, ...]]] = []
+    attention = cpu_attention.attention
+
+    def spy(
+        queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any, *rest: Any
+    ) -> mx.array:
+        mask_shape = tuple(mask.shape) if isinstance(mask, mx.array) else ()
+        calls.append((queries.shape[1], keys.shape[1], mask_shape))
+        return attention(queries, keys, values, scale, mask, *rest)
+
+    monkeypatch.setattr(cpu_attention, "attention", spy)
+    config = SystemConfig(engine=EngineConfig(model=str(model_dir)), cache_dir=tmp_path / "cache")
+    async with AgentSystem(config) as system:
+        tokenizer = system.engine.model.tokenizer
+        first = [{"role": "user", "content": "Hello there! Who are you, and where do you live?"}]
+        prompt = list(tokenizer.apply_chat_template(first, add_generation_prompt=True))
+        tokens, started = await _reply(system, "mla", prompt, 12)
+        assert tokens == cold_continuation(model_dir, prompt, 12)
+        assert len(set(tokens)) > 3  # a reply that varies, not one repeated token
+        follow_up = "\n<|im_start|>user\nTell me about the moon.<|im_end|>\n<|im_start|>assistant\n"
+        prompt = prompt + tokens + tokenizer.encode(follow_up, add_special_tokens=False)
+        tokens, started = await _reply(system, "mla", prompt, 12)
+        assert started.num_cached_tokens > 0
+        assert tokens == cold_continuation(model_dir, prompt, 12)
+        assert len(set(tokens)) > 3
+    heads = TINY_DEEPSEEK_V3["num_attention_heads"]
+    assert (heads, 1, (1, heads, 1)) in {(q, k, shape[:3]) for q, k, shape in calls}

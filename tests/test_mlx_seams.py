@@ -4,10 +4,12 @@ is named when it fails."""
 from __future__ import annotations
 
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 
 from semantic.engine import mlx_seams
+from semantic.engine.cache_spec import UnsupportedModelError
 from semantic.engine.mlx_seams import SeamError
 
 
@@ -36,11 +38,11 @@ def test_a_generator_whose_insert_lost_a_parameter_fails_naming_it() -> None:
     class StandIn:
         _currently_processing = _unprocessed_sequences = _generation_batch = ()
 
-        def insert(self, prompts: object, max_tokens: object, caches: object) -> None: ...
+        def insert_segments(self, segments: object, max_tokens: object, caches: object) -> None: ...
         def remove(self, uids: object, return_prompt_caches: bool = False) -> None: ...
         def extract_cache(self, uids: object) -> None: ...
 
-    with pytest.raises(SeamError, match=r"BatchGenerator.insert takes .*all_tokens"):
+    with pytest.raises(SeamError, match=r"BatchGenerator.insert_segments takes .*all_tokens"):
         mlx_seams.check_generator(StandIn())
 
 
@@ -63,11 +65,33 @@ def test_a_generator_that_no_longer_counts_prompt_tokens_fails_naming_it() -> No
     class StandIn:
         _currently_processing = _unprocessed_sequences = _generation_batch = ()
 
-        def insert(
-            self, prompts: object, max_tokens: object, caches: object, all_tokens: object, samplers: object
+        def insert_segments(
+            self, segments: object, max_tokens: object, caches: object, all_tokens: object, samplers: object
         ) -> None: ...
         def remove(self, uids: object, return_prompt_caches: bool = False) -> None: ...
         def extract_cache(self, uids: object) -> None: ...
 
     with pytest.raises(SeamError, match=r"`_counters.prompt_tokens` counts prefilled tokens"):
         mlx_seams.check_generator(StandIn())
+
+
+@pytest.mark.parametrize(
+    ("config", "refused"),
+    [
+        ({"model_type": "gemma2", "num_attention_heads": 4, "num_key_value_heads": 2}, True),
+        ({"model_type": "gemma2", "num_attention_heads": 4, "num_key_value_heads": 4}, False),
+        ({"model_type": "gpt_bigcode", "num_attention_heads": 4, "num_key_value_heads": 1}, True),
+        ({"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2}, False),
+    ],
+)
+def test_families_mlx_lm_cannot_batch_are_refused_with_the_reason(
+    config: dict[str, object], refused: bool
+) -> None:
+    class StandIn:  # only what the check reads: mlx-lm's models keep their config as `args`
+        args = SimpleNamespace(**config)
+
+    if refused:
+        with pytest.raises(UnsupportedModelError, match=f"{config['model_type']} cannot decode in a batch"):
+            mlx_seams.check_batchable(StandIn())
+    else:
+        mlx_seams.check_batchable(StandIn())

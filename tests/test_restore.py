@@ -14,7 +14,7 @@ from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_spec import LayerKind, ModelCacheSpec
 from semantic.engine.cache_tensors import from_tensors, to_tensors
 from semantic.engine.errors import PoolExhaustedError
-from semantic.engine.layer_caches import BlockCodec, HistoryKVCache, full_layers_of
+from semantic.engine.layer_caches import BlockCodec, HistoryKVCache, attention_kv_of
 from semantic.storage.cache_file import CacheIdentity, read_cache_file, write_cache_file
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 2, 32, 16
@@ -29,8 +29,8 @@ def a_store(dtype: str, bits: int | None, num_blocks: int = 32) -> AgentCacheSto
 
 
 def held_layers(store: AgentCacheStore, agent_id: str) -> list[tuple[mx.array, mx.array]]:
-    block_ids = store.agents[agent_id].block_ids
-    return full_layers_of(store.pool, store.spec, block_ids, store.codec)
+    agent = store.agents[agent_id]
+    return attention_kv_of(store.pool, store.spec, agent.block_ids, store.codec, agent.num_tokens)
 
 
 @settings(max_examples=20, deadline=None)
@@ -58,7 +58,7 @@ def test_a_cache_restored_from_its_file_holds_the_same_blocks(
     write_cache_file(path, to_tensors(written.snapshot("agent")), identity)
 
     restored = a_store(dtype, bits)
-    restored.restore(from_tensors(read_cache_file(path, identity, "agent"), dtype, LAYERS, 0))
+    restored.restore(from_tensors(read_cache_file(path, identity, "agent"), restored.spec))
 
     assert restored.agents["agent"].token_ids == tokens
     for (keys, values), (keys_back, values_back) in zip(
@@ -155,7 +155,7 @@ def test_a_restore_that_does_not_fit_takes_no_block(
     tokens = shared + list(range(5000, 5000 + (snapshot_blocks - shared_blocks) * BLOCK + 3))
     writer = a_store("float32", None, num_blocks=64)
     writer.store("returning", tokens, kv_caches(len(tokens)), [])
-    snapshot = from_tensors(to_tensors(writer.snapshot("returning")), "float32", LAYERS, 0)
+    snapshot = from_tensors(to_tensors(writer.snapshot("returning")), writer.spec)
     ref_counts = [block.ref_count for block in store.pool.blocks]
     hashes = set(store.pool.hash_to_block_id)
     fits = store.spec.num_blocks_for(len(tokens)) - shared_blocks <= store.pool.num_free_blocks
@@ -204,7 +204,7 @@ def test_the_held_ids_and_the_disk_tier_follow_every_change_of_the_store(
         elif operation == "restore":
             writer = a_store("float32", None)
             writer.store(agent_id, tokens, kv_caches(num_tokens), [])
-            store.restore(from_tensors(to_tensors(writer.snapshot(agent_id)), "float32", LAYERS, 0))
+            store.restore(from_tensors(to_tensors(writer.snapshot(agent_id)), store.spec))
             restored_unused[agent_id] = True
         elif operation == "turn" and agent_id in store.agents:  # the agent returns with one more token
             held = store.agents[agent_id].token_ids
