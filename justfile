@@ -59,11 +59,17 @@ bench:
     {{fast}} {{py}} -m bench.decode_limit
     {{fast}} {{py}} -m bench.idle_kv
     {{fast}} {{py}} -m bench.history_ttft
+    {{fast}} {{py}} -m bench.hybrid_resume
     {{fast}} {{py}} -m bench.distributed
 
 # Only the multi-agent replay against mlx_lm.server (pass e.g. --agents 1 4).
 bench-replay *ARGS:
     {{fast}} {{py}} -m bench.agent_replay {{ARGS}}
+
+# Returning-turn TTFT against cold, a hybrid (Qwen3-Next) and a dense model beside mlx_lm.server
+# (about 10 minutes on a 2-core CPU; pass e.g. --models dense --lengths 500 2000 --samples 3).
+bench-hybrid *ARGS:
+    {{fast}} {{py}} -m bench.hybrid_resume {{ARGS}}
 
 # The engine stepped by hand under the replay's first turns: each tick's chunk, time and budget.
 tick-trace *ARGS:

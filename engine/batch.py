@@ -102,15 +102,18 @@ class Batch:
         try:
             salt = request.cache_salt
             agent_id = store.resolve_agent_id(request.agent_id, request.prompt_tokens, salt)
+            returning = agent_id in store.agents
             prepared = store.prepare(agent_id, request.prompt_tokens, salt)
             sampler = make_sampler(request.sampling, self._loaded.num_token_ids)
             processors = make_processors(request.sampling, self._loaded.num_token_ids)
             processors += [request.grammar] if request.grammar is not None else []  # the mask last
             text = reply_text_stream(request, self._loaded.tokenizer, self._loaded.eos_token_ids)
-            checkpoints = self._state_checkpoints(request, prepared.num_cached_tokens)
+            checkpoints = self._state_checkpoints(request, prepared.num_cached_tokens, returning)
             uid = self._insert(
                 request, prepared.num_cached_tokens, prepared.caches, sampler, processors, checkpoints
             )
+            if len(request.prompt_tokens) - 1 in checkpoints:
+                self._unfolded_uids.add(uid)
         except BaseException:
             self._pool.free(reserved)
             raise
@@ -141,18 +144,25 @@ class Batch:
             ),
         )
 
-    def _state_checkpoints(self, request: GenerationRequest, num_cached: int) -> list[int]:
-        """Where a recurrent model's prefill of `request` stops to keep its state for other agents:
-        the last block boundary of its shared head (the system prompt and tools), and the end of the
+    def _state_checkpoints(self, request: GenerationRequest, num_cached: int, returning: bool) -> list[int]:
+        """Where the prefill of `request` stops to keep what resuming there takes (a recurrent
+        model's state, a sliding model's windows) for other agents: the last block boundary of its
+        shared head (the system prompt and tools) and, for an agent new to the cache, the end of the
         blocks other agents' prompts already share with it (the next agent to share them resumes
-        there). None for a model without recurrent layers."""
+        there); and a recurrent model's own, before the prompt's last token. None for a model of
+        full-attention layers only."""
         spec = self._loaded.spec
         if not spec.has_state_layers and not spec.has_sliding_layers:
             return []
         size, prompt = spec.block_size, request.prompt_tokens
-        shared_blocks = self._store.held_block_ids(prompt[:-1], request.cache_salt)
-        positions = {request.shared_head_tokens // size * size, len(shared_blocks) * size}
-        return sorted(p for p in positions if num_cached < p < len(prompt) - 1)
+        positions = {request.shared_head_tokens // size * size}
+        if not returning:  # a returning agent's blocks are its own history: it resumes from its own
+            positions.add(len(self._store.held_block_ids(prompt[:-1], request.cache_salt)) * size)
+        if spec.has_state_layers:
+            # Where the prompt ends but for its last token: a template that re-renders the reply may
+            # tokenize that token (the generation prompt's newline, say) together with the reply's.
+            positions.add(len(prompt) - 1)
+        return sorted(p for p in positions if num_cached < p <= len(prompt) - 1)
 
     def _insert(
         self,
@@ -166,8 +176,9 @@ class Batch:
         """Hand the generator the prompt past its first `num_cached` tokens (which `caches` hold), in
         segments that end at `checkpoints` (the generator's chunks stop at a segment's end)."""
         prompt = request.prompt_tokens
-        ends = [*(checkpoints or []), len(prompt)]
-        starts = [num_cached, *(checkpoints or [])]
+        checkpoints = [p for p in checkpoints or [] if p < len(prompt) - 1]  # the last token is one anyway
+        ends = [*checkpoints, len(prompt)]
+        starts = [num_cached, *checkpoints]
         (uid,) = self._generator.insert_segments(
             [[prompt[start:end] for start, end in zip(starts, ends, strict=True)]],
             max_tokens=[request.sampling.max_tokens + 1],
@@ -247,6 +258,7 @@ class Batch:
         )
         self._stats.num_steps += 1
         ended_prompts = self.running.read_prompt_progress(prompt_responses)
+        self._unfolded_uids.difference_update(ended_prompts)
         ending = self.running.read_tokens(generation_responses)
         # mlx-lm returns a token one step after computing it, so that its next step overlaps the
         # caller's work; a first token would wait that whole step for nothing: it is taken as soon
@@ -274,9 +286,16 @@ class Batch:
             tokens = [*running.request.prompt_tokens, *running.generated_token_ids][:num_tokens]
             self.running.finish(uid, reason, (layer_caches, tokens))
 
+    @property
+    def _unfolded_uids(self) -> set[int]:
+        """The generator's prompts that must stop before their last token (none where it never folds)."""
+        unfolded: set[int] = getattr(self._generator, "unfolded_uids", set())
+        return unfolded
+
     def cancel(self, request_id: str) -> bool:
         for uid, running in self.running.items():
             if running.request.request_id == request_id:
+                self._unfolded_uids.discard(uid)
                 self._generator.remove([uid])
                 self.running.finish(uid, FinishReason.CANCELLED)
                 return True

@@ -80,20 +80,20 @@ class CacheKeeper:
             ]
             state = state_point_of(spec, caches, num_tokens)
             running.checkpoints.append(Checkpoint(num_tokens, state, runs))
+            if num_tokens == len(running.request.prompt_tokens) - 1:
+                running.prompt_state = state  # the agent's next turn may resume here
 
     def _publish_prompt(self, generator: BatchGenerator, uid: int, running: Sequence) -> None:
         spec = self._spec
         prompt = running.request.prompt_tokens
         num_blocks = (len(prompt) - 1) // spec.block_size  # blocks whose tokens are all in the cache by now
-        if num_blocks <= running.num_cached_tokens // spec.block_size and not spec.has_state_layers:
+        if num_blocks <= running.num_cached_tokens // spec.block_size:
             running.checkpoints = []
             return
         held = kv_seams.sequence_caches(generator, uid)
         if held is None:
             running.checkpoints = []
             return
-        if spec.has_state_layers:
-            running.prompt_state = state_point_of(spec, held[0], held[1])
         if num_blocks <= running.num_cached_tokens // spec.block_size:
             running.checkpoints = []
             return

@@ -104,9 +104,14 @@ class FoldingBatchGenerator(BatchGenerator):
     def __init__(self, model: Any, *, head: LastPositionHead, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         self._head = head
+        # Prompts whose cache is read where the prefill stops before the last token (a recurrent
+        # model's state where the prompt ends): the last token runs as a step of its own.
+        self.unfolded_uids: set[int] = set()
 
     def _foldable(self) -> bool:
         if len(self._currently_processing) != 1:  # one entry per sequence of the prompt batch
+            return False
+        if self._prompt_batch.uids[0] in self.unfolded_uids:
             return False
         segments = self._currently_processing[0][0]
         return len(segments) == 2 and len(segments[1]) == 1 and 0 < len(segments[0]) < self.prefill_step_size

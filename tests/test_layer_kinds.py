@@ -3,8 +3,9 @@
 A sliding-window model (Gemma 3 style) resumes at any token whose window its blocks still hold: a
 reply that does not re-tokenize the same costs only the tokens after the divergence, in memory and
 after a restart. A hybrid (Qwen3-Next style: Gated DeltaNet beside attention) cannot cut its
-recurrent state back, so it resumes where a state was kept: where its turns' prompts and replies
-ended, and where a system prompt other agents share ends.
+recurrent state back, so it resumes where a state was kept: where its turns' prompts ended (but for
+their last token, which a re-rendered reply may tokenize together with the reply's first) and where
+its replies ended, and where a system prompt other agents share ends.
 """
 
 from __future__ import annotations
@@ -119,13 +120,14 @@ async def test_a_reply_that_does_not_round_trip_resumes_where_the_prompt_diverge
         assert (started.cache_tier, started.num_cached_tokens) == ("memory", len(first) + len(first_reply))
         third, diverges_at = diverging(model, second, reply, "Which is longer?")
         reply, started = await exact_turn(system, model, "agent", third)
-        # A sliding window resumes at the divergence; a recurrent state where the prompt ended.
-        expected = diverges_at if kind == "gemma3" else len(second)
+        # A sliding window resumes at the divergence; a recurrent state where the prompt ended (but for
+        # its last token).
+        expected = diverges_at if kind == "gemma3" else len(second) - 1
         assert (started.cache_tier, started.num_cached_tokens) == ("memory", expected)
     async with AgentSystem(system_config(model_dir, tmp_path)) as system:
         fourth, diverges_at = diverging(model, third, reply, "Name a bridge over one.")
         _, started = await exact_turn(system, model, "agent", fourth)
-        expected = diverges_at if kind == "gemma3" else len(third)
+        expected = diverges_at if kind == "gemma3" else len(third) - 1
         assert (started.cache_tier, started.num_cached_tokens) == ("disk", expected)
 
 
@@ -142,9 +144,9 @@ async def test_an_anonymous_conversation_resumes_though_its_reply_does_not_round
         reply, _ = await exact_turn(system, model, None, first)
         second, diverges_at = diverging(model, first, reply, "And the Amazon?")
         _, started = await exact_turn(system, model, None, second)
-        # A recurrent state where the first prompt ended; a sliding model's shared blocks up to the
+        # A recurrent state before the first prompt's last token; a sliding model's shared blocks up to the
         # divergence, whose windows are kept near where that prompt ended.
-        expected = len(first) if kind == "qwen3_next" else diverges_at // BLOCK * BLOCK
+        expected = len(first) - 1 if kind == "qwen3_next" else diverges_at // BLOCK * BLOCK
         assert (started.cache_tier, started.num_cached_tokens) == ("memory", expected)
 
 
@@ -168,7 +170,7 @@ async def test_a_second_agent_resumes_at_the_end_of_a_shared_system_prompt(
             else:
                 assert started.num_cached_tokens == 0
         report = await system.engine.ask(InspectPool())
-        assert report.num_shared_states == 1
+        assert report.num_shared_states >= 1
 
 
 @pytest.mark.asyncio
