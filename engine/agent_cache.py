@@ -215,7 +215,7 @@ class AgentCacheStore:
 
     def _shared_points(self, token_ids: list[int], salt: str | None) -> list[tuple[int, StatePoint | None]]:
         """The shared states kept at block boundaries of `token_ids`, latest first (each as its
-        token count and state; using one makes it the most recently used)."""
+        token count and state)."""
         if not self.shared_states:
             return []
         size = self.spec.block_size
@@ -478,16 +478,8 @@ class AgentCacheStore:
         enough free blocks it raises PoolExhaustedError and takes none."""
         self.drop(snapshot.agent_id)
         num_tokens = len(snapshot.token_ids)
-        window_start = min(
-            (
-                start
-                for start, kind in zip(snapshot.kv_starts, self.spec.window_slots_mask, strict=True)
-                if kind
-            ),
-            default=num_tokens,
-        )
         needed = self.num_blocks_to_restore(
-            snapshot.token_ids, len(snapshot.state_points), window_start, salt
+            snapshot.token_ids, len(snapshot.state_points), snapshot.kv_starts, salt
         )
         if not self.pool.can_allocate(needed):
             raise PoolExhaustedError(f"{needed} blocks needed, {self.pool.num_free_blocks} free")
@@ -512,13 +504,18 @@ class AgentCacheStore:
         self.agents[snapshot.agent_id].from_disk = True
 
     def num_blocks_to_restore(
-        self, token_ids: list[int], num_state_points: int, window_start: int, salt: str | None
+        self, token_ids: list[int], num_state_points: int, kv_starts: list[int], salt: str | None
     ) -> int:
         """The free blocks restoring a cache of `token_ids` takes: its blocks the pool lacks, the
-        window charge of those holding sliding layers (from token `window_start` on), and its state
-        points'."""
+        window charge of those holding sliding layers (each layer from its `kv_starts` on; [] for
+        all from 0), and its state points'."""
         spec = self.spec
         num_blocks = spec.num_blocks_for(len(token_ids))
         num_new = num_blocks - len(self.held_block_ids(token_ids, salt))
+        starts = kv_starts or [0] * len(spec.attention_layer_ids)
+        slides = spec.window_slots_mask
+        window_start = min(
+            (start for start, sliding in zip(starts, slides, strict=True) if sliding), default=len(token_ids)
+        )
         num_windowed = num_blocks - window_start // spec.block_size if spec.window_extra else 0
         return num_new + spec.window_extra * num_windowed + num_state_points * spec.num_blocks_per_state

@@ -86,16 +86,12 @@ class CacheKeeper:
     def _publish_prompt(self, generator: BatchGenerator, uid: int, running: Sequence) -> None:
         spec = self._spec
         prompt = running.request.prompt_tokens
+        checkpoints, running.checkpoints = running.checkpoints, []  # shared with the blocks, or never
         num_blocks = (len(prompt) - 1) // spec.block_size  # blocks whose tokens are all in the cache by now
         if num_blocks <= running.num_cached_tokens // spec.block_size:
-            running.checkpoints = []
             return
         held = kv_seams.sequence_caches(generator, uid)
         if held is None:
-            running.checkpoints = []
-            return
-        if num_blocks <= running.num_cached_tokens // spec.block_size:
-            running.checkpoints = []
             return
         try:
             running.published_block_ids = self._store.publish_prefix(
@@ -104,13 +100,12 @@ class CacheKeeper:
                 running.reserved_block_ids,
                 running.request.cache_salt,
             )
-            for checkpoint in running.checkpoints:
+            for checkpoint in checkpoints:
                 self._store.share_checkpoint(
                     prompt[: checkpoint.num_tokens], checkpoint, running.request.cache_salt
                 )
         except Exception:
             logger.exception("could not share the prompt blocks of request {}", running.request.request_id)
-        running.checkpoints = []
 
     def _keep(self, ended: FinishedCache) -> None:
         running = ended.sequence

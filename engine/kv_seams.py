@@ -24,6 +24,7 @@ PLAIN_BATCH_CACHES = (BatchKVCache, JoiningBatchKVCache)
 
 def check_kv_seams() -> None:
     check_cache_states()
+    check_token_order()
     check_batch_cache_views()
     check_batch_cache_takeover()
     check_joins_match_mlx_lm()
@@ -77,6 +78,23 @@ def _sequence_view(layer: Any, index: int) -> KVCache:
     return view
 
 
+def in_token_order(cache: RotatingKVCache) -> tuple[mx.array, mx.array]:
+    """A rotating cache's keys and values with its tokens in order (its buffer wraps around)."""
+    return cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+
+
+def check_token_order() -> None:
+    def wrapped_back_in_order() -> bool:
+        rotating = RotatingKVCache(max_size=3)
+        for token in range(5):  # one at a time: the buffer wraps
+            value = mx.full((1, 1, 1, 1), float(token))
+            rotating.update_and_fetch(value, value)
+        keys, _ = in_token_order(rotating)
+        return bool(keys.flatten().tolist() == [2.0, 3.0, 4.0])
+
+    require("RotatingKVCache._temporal_order puts a wrapped buffer's tokens in order", wrapped_back_in_order)
+
+
 def check_cache_states() -> None:
     keys = mx.zeros((1, 1, 4, 2))
 
@@ -92,6 +110,10 @@ def check_cache_states() -> None:
 
     require("KVCache.state is (keys, values, offset) and setting it sets the offset", full_state)
     require("RotatingKVCache.state is (keys, values, offset, keep, max_size, idx)", sliding_state)
+    require(
+        "ArraysCache keeps its arrays in the list `cache` (state points read and set it)",
+        lambda: isinstance(ArraysCache(2).cache, list) and ArraysCache(2).state[0] == [None, None],
+    )
     require(
         "quantized KV caches, and only they, have `bits` (the CPU attention hook leaves them to mlx-lm)",
         lambda: hasattr(QuantizedKVCache(), "bits") and not hasattr(KVCache(), "bits"),

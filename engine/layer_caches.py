@@ -19,7 +19,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCa
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_spec import ModelCacheSpec
 from semantic.engine.cache_tensors import StatePoint
-from semantic.engine.kv_seams import batch_cache_over
+from semantic.engine.kv_seams import batch_cache_over, in_token_order
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +214,7 @@ def kv_run(cache: Any, num_tokens: int) -> tuple[mx.array, mx.array, int]:
     """A live attention layer's keys and values of the sequence's tokens [start, num_tokens), and
     start: every token for a full layer, those still in the window for a sliding one."""
     if isinstance(cache, RotatingKVCache):
-        keys, values = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+        keys, values = in_token_order(cache)
         held = min(int(keys.shape[2]), cache.offset)
         assert cache.offset == num_tokens, "sliding cache and token list disagree: engine bug"
         return keys[..., -held:, :], values[..., -held:, :], num_tokens - held

@@ -158,13 +158,7 @@ class Scheduler:
         PoolExhaustedError, evicting nothing, where even all of them would not make room."""
         store, pool = runtime.store, runtime.pool
         token_ids = [int(t) for t in cache.tensors["tokens"]]
-        spec = runtime.loaded.spec
-        starts = cache.kv_starts or [0] * len(spec.attention_layer_ids)
-        window_start = min(
-            (s for s, slides in zip(starts, spec.window_slots_mask, strict=True) if slides),
-            default=len(token_ids),
-        )
-        num_new = store.num_blocks_to_restore(token_ids, len(cache.state_points), window_start, salt)
+        num_new = store.num_blocks_to_restore(token_ids, len(cache.state_points), cache.kv_starts, salt)
         spared = self.queued_agent_ids
         evictable = {b for a in store.evictable() if a.agent_id not in spared for b in a.block_ids}
         if pool.num_free_blocks + len(evictable) < num_new:

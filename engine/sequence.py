@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from semantic.engine.agent_cache import Checkpoint
+from semantic.engine.cache_tensors import StatePoint
 from semantic.engine.messages import (
     Event,
     EventChannel,
@@ -40,8 +42,8 @@ class Sequence:
     # recurrent model's state, a sliding one's windows), what was kept there (`Checkpoint`s, shared
     # once its blocks are), and a recurrent model's state where its prompt ended.
     state_checkpoints: list[int] = field(default_factory=list)
-    checkpoints: list[Any] = field(default_factory=list)
-    prompt_state: Any = None
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    prompt_state: StatePoint | None = None
 
     @property
     def num_prefilled(self) -> int:
