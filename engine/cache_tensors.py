@@ -123,11 +123,20 @@ def from_tensors(cache: SerializedCache, spec: ModelCacheSpec) -> HostSnapshot:
     the pool copies each block out of them once (`BlockCodec.encode_host`). Raises ValueError where
     the file's states do not have the model's shapes."""
     tensors = cache.tensors
-    num_attention = len(spec.attention_layer_ids)
-    attention: list[tuple[np.ndarray | None, np.ndarray | None]] = [
-        (tensors.get(attention_tensor_name(s, "keys")), tensors.get(attention_tensor_name(s, "values")))
-        for s in range(num_attention)
-    ]
+    attention: list[tuple[np.ndarray | None, np.ndarray | None]] = []
+    for slot, (heads, key_dim, value_dim) in enumerate(spec.kv_widths):
+        keys, values = (
+            tensors.get(attention_tensor_name(slot, "keys")),
+            tensors.get(attention_tensor_name(slot, "values")),
+        )
+        for name, array, width in (("keys", keys, key_dim), ("values", values, value_dim)):
+            if array is not None and (array.shape[1], array.shape[3]) != (heads, width):
+                raise ValueError(
+                    f"attention layer {slot}'s {name} have {array.shape[1]} heads of {array.shape[3]}, "
+                    f"the model {heads} of {width}"
+                )
+        attention.append((keys, values))
+    num_attention = len(attention)
     points = []
     for p, (num_tokens, counts) in enumerate(cache.state_points):
         if counts != [len(layer) for layer in spec.state_arrays]:

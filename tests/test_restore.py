@@ -229,3 +229,16 @@ def test_two_rebuilt_caches_are_merged_as_mlx_lm_merges_them() -> None:
     assert isinstance(merged, BatchKVCache) and merged.left_padding.tolist() == [15, 0]
     keys, _ = merged.keys_and_values()
     assert keys.shape[2] == 20 and short.caches[0].keys is not None  # copied, as mlx-lm does
+
+
+def test_a_file_whose_layers_have_other_widths_is_refused_before_it_reaches_the_pool() -> None:
+    """Another writer's file (checksum and spec as stated, tensors of other heads or widths) must not
+    become blocks the model would fail on: the engine refuses it and the actor quarantines it."""
+    writer = a_store("float32", None)
+    tokens = list(range(7, 7 + BLOCK + 3))
+    writer.store("agent", tokens, kv_caches(len(tokens)), [])
+    cache = to_tensors(writer.snapshot("agent"))
+    keys = cache.tensors["attn.1.keys"]
+    cache.tensors["attn.1.keys"] = keys[:, :, :, : HEAD_DIM // 2]
+    with pytest.raises(ValueError, match="attention layer 1's keys have 2 heads of 16, the model 2 of 32"):
+        from_tensors(cache, writer.spec)
