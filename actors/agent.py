@@ -7,8 +7,10 @@ from the agent's cached history (a side request, see history_marks.py) runs as a
 and does not hold the mailbox while it decodes. An idle actor stops after
 `idle_s` and is recreated on demand, so memory stays bounded however many ids clients invent.
 
-Ask rules (after pykka): a failure while handling a message goes to its asker and the actor lives
-on. At stop every queued ask fails with AgentStoppedError, so no caller waits forever.
+Ask rules (after pykka, see mailbox.py): a failure while handling a message goes to its asker and
+the actor lives on. At stop every queued ask fails with AgentStoppedError, so no caller waits
+forever. A turn's stream is the actor's until it commits the turn: its reader sees Finished only
+then (or the error that kept it from being saved), so an acknowledged turn is a durable one.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from semantic.actors.agent_messages import (
     MailboxFullError,
     OpenConversation,
     StartTurn,
-    StopAgent,
 )
 from semantic.actors.history_marks import HistoryMark, HistoryMarks
 from semantic.actors.kept_conversation import KeptConversation
@@ -47,6 +48,7 @@ from semantic.actors.turns import (
 from semantic.engine.commands import DropCache, RestoreCache, SnapshotCaches
 from semantic.engine.engine import Engine
 from semantic.engine.errors import EngineError, LibraryPanic, as_ordinary
+from semantic.engine.mailbox import Envelope, Mailbox, reply_to
 from semantic.engine.messages import Finished, FinishReason, GenerationRequest
 from semantic.engine.request_stream import RequestStream
 from semantic.storage.conversation_file import ConversationRecord
@@ -72,9 +74,9 @@ class AgentActor:
         self.mailbox_size = mailbox_size
         self.idle_s = idle_s
         self.max_prompt_tokens = max_prompt_tokens
-        # Unbounded underneath so StopAgent always gets in; `ask` enforces the bound for the rest.
-        self._mailbox: asyncio.Queue[tuple[AgentMessage, asyncio.Future[Any]]] = asyncio.Queue()
-        self._stopped = False
+        self._mailbox: Mailbox[AgentMessage] = Mailbox(
+            mailbox_size, lambda: MailboxFullError(agent_id, mailbox_size)
+        )
         self._conversation = KeptConversation(agent_id)  # the direct API's
         self._running: RequestStream | None = None  # the turn holding the mailbox, once submitted
         self._deleted: AgentDeletedError | None = None  # set by a delete until its ForgetAgent runs
@@ -82,72 +84,59 @@ class AgentActor:
 
     @property
     def is_stopped(self) -> bool:
-        return self._stopped
+        return self._mailbox.is_closed
 
     @property
     def is_anonymous(self) -> bool:
         return self.agent_id is None
 
     def ask(self, message: AgentMessage) -> asyncio.Future[Any]:
-        if self._stopped:
-            raise AgentStoppedError(f"agent {self.agent_id} is stopped")
-        if self._mailbox.qsize() >= self.mailbox_size:
-            raise MailboxFullError(self.agent_id, self.mailbox_size)
-        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._mailbox.put_nowait((message, reply))
-        return reply
+        return self._mailbox.ask(message)
 
     def ask_forget(self) -> asyncio.Future[Any]:
         """Delete the agent: its running turn is cancelled and its queued turns fail (either would
         bring it back), then ForgetAgent runs; replies whether the agent existed."""
         assert self.agent_id is not None, "forget asked of an anonymous actor: registry bug"
-        if self._stopped:
-            raise AgentStoppedError(f"agent {self.agent_id} is stopped")
+        if self.is_stopped:
+            raise self._stopped_error()
         self._deleted = AgentDeletedError(self.agent_id.local_id, while_running=True)
         cancelled_turns = isinstance(self._handling, StartTurn)
         if self._running is not None:
             self._running.fail(self._deleted)
-        kept: list[tuple[AgentMessage, asyncio.Future[Any]]] = []
-        while not self._mailbox.empty():
-            message, reply = self._mailbox.get_nowait()
-            if isinstance(message, StartTurn) and not reply.done():
-                reply.set_exception(AgentDeletedError(self.agent_id.local_id, while_running=False))
-                cancelled_turns = True
-            else:
-                kept.append((message, reply))
-        reply = asyncio.get_running_loop().create_future()
-        forget = ForgetAgent(cancelled_turns)
-        for item in [*kept, (forget, reply)]:  # past the bound: a delete always gets in
-            self._mailbox.put_nowait(item)
-        return reply
+        for queued in self._mailbox.take(lambda message: isinstance(message, StartTurn)):
+            reply_to(queued.reply, error=AgentDeletedError(self.agent_id.local_id, while_running=False))
+            cancelled_turns = True
+        return self._mailbox.post(ForgetAgent(cancelled_turns))  # past the bound: a delete always gets in
 
     def stop_nowait(self) -> None:
-        """Stop after the current message; every queued ask then fails with AgentStoppedError."""
-        if not self._stopped:
-            self._stopped = True
-            self._mailbox.put_nowait((StopAgent(), asyncio.get_running_loop().create_future()))
+        """Stop after the current message; every queued ask fails with AgentStoppedError now."""
+        self._mailbox.close(self._stopped_error)
+
+    def _stopped_error(self) -> AgentStoppedError:
+        return AgentStoppedError(f"agent {self.agent_id} is stopped")
 
     async def run(self) -> None:
         try:
-            while not self._stopped:
+            while True:
                 try:
                     async with asyncio.timeout(self.idle_s):
-                        message, reply = await self._mailbox.get()
+                        envelope = await self._mailbox.get()
                 except TimeoutError:
-                    if self._mailbox.empty():
+                    if not self._mailbox:
                         break  # idle: the registry makes a new actor when the id comes back
                     continue
-                if isinstance(message, StopAgent):
+                if envelope is None:  # stopped
                     break
-                await self._handle(message, reply)
+                await self._handle(envelope)
                 if self.is_anonymous:
                     break  # an anonymous actor lives for its one request
         finally:
-            self._stopped = True
+            self._mailbox.close(self._stopped_error)  # every ask still queued fails
             self._on_exit(self)  # synchronously, so no message can reach a retired actor
-            self._fail_queued()
 
-    async def _handle(self, message: AgentMessage, reply: asyncio.Future[Any]) -> None:
+    async def _handle(self, envelope: Envelope[AgentMessage]) -> None:
+        message, reply = envelope.message, envelope.reply
+        assert reply is not None, "an agent actor takes asks only: actor bug"
         self._handling = message
         try:
             result = await self._dispatch(message, reply)
@@ -155,13 +144,11 @@ class AgentActor:
             error = as_ordinary(caught)
             if isinstance(error, LibraryPanic):
                 logger.opt(exception=caught).error("agent {}: a library panicked", self.agent_id)
-            if not reply.done():
-                reply.set_exception(error)
+            reply_to(reply, error=error)
             return
         finally:
             self._handling = None
-        if not reply.done():
-            reply.set_result(result)
+        reply_to(reply, result)
 
     async def _dispatch(self, message: AgentMessage, reply: asyncio.Future[Any]) -> Any:
         match message:
@@ -173,8 +160,6 @@ class AgentActor:
                 return await self._evict()
             case ForgetAgent(cancelled_turns=cancelled_turns):
                 return await self._forget() or cancelled_turns
-            case StopAgent():
-                return None
 
     async def _run_turn(self, turn: TurnRequest, reply: asyncio.Future[Any]) -> None:
         with contextlib.ExitStack() as committing:
@@ -205,11 +190,11 @@ class AgentActor:
         prompt: PreparedPrompt,
         stream: RequestStream,
     ) -> None:
-        committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        stream.hold_final()  # the reader gets Finished only once this turn is committed
         if reply.done():  # the asker left (a client that disconnected) before the turn started
             stream.cancel()
         else:
-            reply.set_result(TurnStarted(stream, prompt, session.loaded.name, self.agent_id, committed))
+            reply.set_result(TurnStarted(stream, prompt, session.loaded.name, self.agent_id))
         # The next message waits until this turn is done (and, for a kept conversation, durable).
         self._running = stream
         try:
@@ -219,14 +204,16 @@ class AgentActor:
             elif isinstance(final, Finished) and final.reason is not FinishReason.CANCELLED:
                 self._mark_history(session, prompt, final)
         except Exception as error:
-            committed.set_exception(error)
-            committed.exception()  # retrieved: a reader that left must not warn about it
             logger.error("agent {}: turn {} not committed: {}", self.agent_id, turn.request_id, error)
-            return None
+            stream.finish(error)  # the reader's last event: the turn is not acknowledged
+            return
+        except BaseException:  # cancelled (a stop) before or while committing: not acknowledged
+            stream.fail(AgentStoppedError(f"agent {self.agent_id} stopped before this turn was saved"))
+            raise
         finally:
             self._running = None
-        committed.set_result(None)
-        return None
+        if isinstance(final, Finished):  # an error event reached the reader already
+            stream.finish(final)
 
     def _is_side_request(self, session: ModelSession, prompt: PreparedPrompt) -> bool:
         """Whether a stateless prompt diverges from this agent's cached history (history_marks.py)."""
@@ -247,9 +234,7 @@ class AgentActor:
         if reply.done():  # the asker left before the turn started
             stream.cancel()
             return
-        committed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        committed.set_result(None)
-        reply.set_result(TurnStarted(stream, prompt, session.loaded.name, self.agent_id, committed))
+        reply.set_result(TurnStarted(stream, prompt, session.loaded.name, self.agent_id))
 
     def _mark_history(self, session: ModelSession, prompt: PreparedPrompt, final: Finished) -> None:
         if self.agent_id is not None:
@@ -365,15 +350,3 @@ class AgentActor:
         if persistence is not None:
             await persistence.delete(self.agent_id)
         return existed
-
-    def _fail_queued(self) -> None:
-        while not self._mailbox.empty():
-            message, reply = self._mailbox.get_nowait()
-            if reply.done():
-                continue
-            if isinstance(message, StopAgent):  # the stop itself, whose reply nobody awaits
-                reply.set_result(None)
-            else:
-                reply.set_exception(
-                    AgentStoppedError(f"agent {self.agent_id} stopped before handling this request")
-                )

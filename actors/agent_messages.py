@@ -67,9 +67,4 @@ class ForgetAgent:
     cancelled_turns: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class StopAgent:
-    pass
-
-
-AgentMessage = StartTurn | OpenConversation | EvictCache | ForgetAgent | StopAgent
+AgentMessage = StartTurn | OpenConversation | EvictCache | ForgetAgent

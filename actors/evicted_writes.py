@@ -15,6 +15,7 @@ from typing import Any
 from loguru import logger
 
 from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.eviction import LRU, EvictionPolicy
 from semantic.storage.persistence import PersistenceActor
 
 
@@ -26,8 +27,9 @@ class EvictedWrites:
     """The writes of evicted caches in flight (event loop only), at most `max_bytes` of them
     waiting; one batch always goes, however large, when nothing else waits."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, policy: EvictionPolicy = LRU) -> None:
         self.max_bytes = max_bytes
+        self.policy = policy  # whether a cache goes to disk or is dropped (`engine/eviction.py`)
         self.num_waiting_bytes = 0
         self.num_dropped = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -35,7 +37,7 @@ class EvictedWrites:
     def hand(self, caches: list[SerializedCache], persistence: PersistenceActor) -> bool:
         """Start writing `caches`; False where they were dropped to stay within the bound."""
         num_bytes = num_bytes_of(caches)
-        if self.num_waiting_bytes and self.num_waiting_bytes + num_bytes > self.max_bytes:
+        if not self.policy.writes_now(self.num_waiting_bytes, num_bytes, self.max_bytes):
             self.num_dropped += len(caches)
             logger.warning(
                 "dropping {} evicted caches ({:.0f} MiB): {:.0f} MiB of evicted caches already wait "

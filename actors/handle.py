@@ -62,8 +62,7 @@ class AgentHandle:
                 tier = event.cache_tier
             elif isinstance(event, TokenDelta) and event.text:
                 yield event.text
-            elif isinstance(event, Finished):
-                await started.committed
+            elif isinstance(event, Finished):  # the actor's: the turn is durable by now
                 self.last_turn = TurnSummary(
                     event.num_prompt_tokens,
                     event.num_cached_tokens,

@@ -3,7 +3,7 @@ given the model's sampling defaults and, where the turn constrains its output, a
 
 from __future__ import annotations
 
-from dataclasses import replace
+from msgspec.structs import replace
 
 from semantic.actors.model_session import ModelSession
 from semantic.actors.models import ModelHost

@@ -7,7 +7,6 @@ model's chat template in the tokenizer worker and submits it; the handler gets a
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -129,14 +128,13 @@ class PreparedPrompt:
 
 @dataclass(slots=True)
 class TurnStarted:
-    """What a handler gets back: the engine stream, and `committed`, resolved once the turn is
-    durable (a kept conversation written and fsynced); acknowledge the turn only after it."""
+    """What a handler gets back: the turn's one stream, owned by its actor, whose Finished comes
+    only once the turn is durable (a kept conversation written and fsynced), or an error instead."""
 
     stream: RequestStream
     prompt: PreparedPrompt
     model_name: str
     agent_id: AgentId | None
-    committed: asyncio.Future[None]
 
     def check_output_complete(self) -> None:
         """At Finished: raises IncompleteOutputError where the reply's grammar ended it unfinished."""

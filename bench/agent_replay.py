@@ -363,6 +363,9 @@ def main() -> None:
     parser.add_argument("--short-turn-tokens", help="semantic's --short-turn-tokens (default: its own)")
     parser.add_argument("--output", default="agent_replay", help="results file name, without .json")
     parser.add_argument("--logs", type=Path, help="keep the servers' logs in this folder")
+    parser.add_argument(
+        "--semantic-only", action="store_true", help="skip mlx_lm.server (a check against an earlier run)"
+    )
     args = parser.parse_args()
     semantic_args = ("--prefill-stall-ratio", args.prefill_stall_ratio) if args.prefill_stall_ratio else ()
     if args.short_turn_tokens:
@@ -374,7 +377,7 @@ def main() -> None:
             servers: list[Server] = [
                 Semantic(model_dir, Path(scratch) / f"semantic-{n}", *semantic_args),
                 MlxLmServer(model_dir, Path(scratch) / "logs", REPLY_TOKENS),
-            ]
+            ][: 1 if args.semantic_only else 2]
             for server in servers:
                 print(f"{server.name}: {n} agents ...", file=sys.stderr, flush=True)
                 results[server.name][str(n)] = replay(server, n, args.turns)
@@ -384,6 +387,9 @@ def main() -> None:
             args.logs.mkdir(parents=True, exist_ok=True)
             for log in Path(scratch).rglob("*.log"):
                 shutil.copy(log, args.logs / f"{log.parent.name}-{log.name}")
+    if args.semantic_only:
+        write_results(args.output, {"model": model_dir.name, "servers": results})
+        return
     plots = plot(results, args.agents, args.output)
     write_results(
         args.output,

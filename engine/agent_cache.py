@@ -32,6 +32,7 @@ from semantic.engine.cache_matching import ANONYMOUS_PREFIX, common_prefix_lengt
 from semantic.engine.cache_spec import ModelCacheSpec
 from semantic.engine.cache_tensors import CacheSnapshot, HostSnapshot, LayerKV, StatePoint
 from semantic.engine.errors import PoolExhaustedError
+from semantic.engine.eviction import LRU, EvictionPolicy
 from semantic.engine.layer_caches import (
     BlockCodec,
     HistoryKVCache,
@@ -100,10 +101,12 @@ class AgentCacheStore:
         pool: BlockPool,
         new_caches: Callable[[], list[Any]],
         codec: BlockCodec | None = None,
+        policy: EvictionPolicy = LRU,
     ) -> None:
         self.spec = spec
         self.pool = pool
         self.codec = codec or BlockCodec()
+        self.policy = policy  # which idle caches go first, which are spared, which go to disk
         self._new_caches = new_caches
         self.agents: dict[str, AgentCache] = {}
         # The ids in `agents`, replaced (never changed) as one is filed, evicted or dropped: the
@@ -123,6 +126,10 @@ class AgentCacheStore:
         end (a full-attention or sliding model resumes from the shared blocks instead)."""
         if agent_id is not None:
             return agent_id
+        return self.find_anonymous(prompt, salt) or f"{ANONYMOUS_PREFIX}{next(self._anonymous_ids)}"
+
+    def find_anonymous(self, prompt: list[int], salt: str | None = None) -> str | None:
+        """The idle anonymous agent `resolve_agent_id` gives a prompt without an id; None for a new one."""
         best, best_len = None, 0
         for agent in self.agents.values():
             if is_anonymous(agent.agent_id) and agent.num_running == 0 and agent.salt == salt:
@@ -133,7 +140,7 @@ class AgentCacheStore:
                     continue
                 if shared > best_len:
                     best, best_len = agent.agent_id, shared
-        return best or f"{ANONYMOUS_PREFIX}{next(self._anonymous_ids)}"
+        return best
 
     def prepare(self, agent_id: str, prompt: list[int], salt: str | None = None) -> PreparedPrompt:
         """Build per-layer caches holding the longest reusable prefix of `prompt`."""
@@ -422,10 +429,11 @@ class AgentCacheStore:
             self.agents[agent_id].num_running = max(0, self.agents[agent_id].num_running - 1)
 
     def evictable(self) -> list[AgentCache]:
-        return sorted((a for a in self.agents.values() if a.num_running == 0), key=lambda a: a.last_used)
+        """Idle agents' caches in the order the eviction policy evicts them."""
+        return self.policy.order((a for a in self.agents.values() if a.num_running == 0), _last_used)
 
     def evict_until(self, num_free_blocks: int) -> list[CacheSnapshot]:
-        """Evict least-recently-used idle agents (and then shared states) until `num_free_blocks`
+        """Evict idle agents in the policy's order (and then shared states) until `num_free_blocks`
         are free."""
         evicted = []
         for agent in self.evictable():
@@ -519,3 +527,7 @@ class AgentCacheStore:
         )
         num_windowed = num_blocks - window_start // spec.block_size if spec.window_extra else 0
         return num_new + spec.window_extra * num_windowed + num_state_points * spec.num_blocks_per_state
+
+
+def _last_used(agent: AgentCache) -> float:
+    return agent.last_used

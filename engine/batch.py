@@ -16,7 +16,6 @@ from typing import Any
 import mlx.core as mx
 from loguru import logger
 
-from semantic.engine import kv_seams, mlx_seams
 from semantic.engine.agent_cache import AgentCacheStore
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_keeper import CacheKeeper
@@ -29,7 +28,8 @@ from semantic.engine.messages import (
     GenerationRequest,
     PromptStarted,
 )
-from semantic.engine.mixing_generator import GeneratorFactory
+from semantic.engine.mlx_adapter import generator_seams, kv_seams
+from semantic.engine.mlx_adapter.mixing_generator import GeneratorFactory
 from semantic.engine.outbox import Outbox
 from semantic.engine.prefill_budget import PrefillBudget, per_prompt_chunk
 from semantic.engine.running import RunningSequences
@@ -86,14 +86,21 @@ class Batch:
         processed, which costs more than waiting for its last chunk; measured here, four
         1,200-token prompts arriving 0.15 s apart took 43 s that way against 32 s arriving together.
         """
-        return mlx_seams.is_prefilling(self._generator)
+        return generator_seams.is_prefilling(self._generator)
 
     @property
     def num_generating(self) -> int:
-        return mlx_seams.num_generating(self._generator)
+        return generator_seams.num_generating(self._generator)
 
     def close(self) -> None:
         self._generator.close()
+
+    def _xtc_kept_token_ids(self, request: GenerationRequest) -> list[int]:
+        """The tokens XTC never drops, as mlx_lm.server keeps them: a newline and the end tokens."""
+        if not request.sampling.xtc_probability:
+            return []
+        newline = self._loaded.tokenizer.encode("\n", add_special_tokens=False)
+        return [*newline, *self._loaded.eos_token_ids]
 
     def insert(self, submit: Submit, reserved: list[int]) -> None:
         """Join the batch with the longest cached prefix; frees `reserved` if it cannot."""
@@ -104,7 +111,9 @@ class Batch:
             agent_id = store.resolve_agent_id(request.agent_id, request.prompt_tokens, salt)
             returning = agent_id in store.agents
             prepared = store.prepare(agent_id, request.prompt_tokens, salt)
-            sampler = make_sampler(request.sampling, self._loaded.num_token_ids)
+            sampler = make_sampler(
+                request.sampling, self._loaded.num_token_ids, self._xtc_kept_token_ids(request)
+            )
             processors = make_processors(request.sampling, self._loaded.num_token_ids)
             processors += [request.grammar] if request.grammar is not None else []  # the mask last
             text = reply_text_stream(request, self._loaded.tokenizer, self._loaded.eos_token_ids)
@@ -219,7 +228,7 @@ class Batch:
         first inserted, as many as are prefilled together), shared among them."""
         prefilling = self.running.uncached_prompts(self._config.num_prefilled_together)
         tokens = self.prefill_budget.tokens_for_tick(
-            mlx_seams.num_generating(self._generator), max(prefilling, default=0)
+            generator_seams.num_generating(self._generator), max(prefilling, default=0)
         )
         return per_prompt_chunk(tokens, len(prefilling), self.prefill_budget.max_tokens)
 
@@ -230,14 +239,14 @@ class Batch:
         started in a small chunk): that depends on the prompts alone, so every rank of a group
         decides the same."""
         generator, budget = self._generator, self.prefill_budget
-        num_decoding = mlx_seams.num_generating(generator)
+        num_decoding = generator_seams.num_generating(generator)
         if chunk is None:
             chunk = self.next_chunk()
         prefilling = self.running.uncached_prompts(self._config.num_prefilled_together)
         chunk = budget.whole_for_short_turns(chunk, prefilling)
-        mlx_seams.set_prefill_chunk(generator, chunk)
+        generator_seams.set_prefill_chunk(generator, chunk)
         self._stats.prefill_chunk_tokens = chunk
-        prefilled_before = mlx_seams.num_prompt_tokens_processed(generator)
+        prefilled_before = generator_seams.num_prompt_tokens_processed(generator)
         started = time.perf_counter()
         try:
             prompt_responses, generation_responses = generator.next()
@@ -247,7 +256,7 @@ class Batch:
             self.running.fail_all(EngineError(f"generation failed: {error}"))
             return
         elapsed = time.perf_counter() - started
-        num_prefilled = mlx_seams.num_prompt_tokens_processed(generator) - prefilled_before
+        num_prefilled = generator_seams.num_prompt_tokens_processed(generator) - prefilled_before
         budget.observe(elapsed, num_decoding, num_prefilled)
         logger.debug(
             "step: {} decoding, {} prompt tokens (chunk {}), {:.1f} ms",
@@ -265,7 +274,7 @@ class Batch:
         # as it exists. On a GPU that waits for the queued step: the overlap is lost once per prompt
         # (on an H100 the replay's returning turns had their first token after 2 steps, not 3).
         if ended_prompts:
-            ending |= self.running.take_first_tokens(mlx_seams.first_tokens(generator, ended_prompts))
+            ending |= self.running.take_first_tokens(generator_seams.first_tokens(generator, ended_prompts))
         if ending:
             self._end(ending)
 

@@ -16,13 +16,13 @@ end, `Batch.insert`), shared with them under that block's hash once its blocks a
 from __future__ import annotations
 
 from loguru import logger
-from mlx_lm.generate import BatchGenerator
 
-from semantic.engine import kv_seams
 from semantic.engine.agent_cache import AgentCacheStore, Checkpoint
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_spec import ModelCacheSpec
 from semantic.engine.layer_caches import kv_run, state_point_of
+from semantic.engine.mlx_adapter import kv_seams
+from semantic.engine.mlx_adapter.api import BatchGenerator
 from semantic.engine.sequence import FinishedCache, Sequence
 
 

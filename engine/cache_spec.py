@@ -15,7 +15,8 @@ from enum import Enum
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from semantic.engine.mlx_adapter.api import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 
 class LayerKind(Enum):

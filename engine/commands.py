@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.loading import LoadedModel
+from semantic.engine.mailbox import reply_to
 from semantic.engine.messages import EventChannel, GenerationRequest
 
 T = TypeVar("T")
@@ -146,7 +147,9 @@ class Shutdown:
 
 @dataclass(slots=True)
 class Envelope:
-    """An ask on its way to the engine thread, and where its answer goes."""
+    """An ask on its way to the engine thread, and where its answer goes. The engine thread reads a
+    thread queue (it blocks there while idle), not an actor's asyncio mailbox (engine/mailbox.py),
+    so the answer crosses back to the loop, and there follows the actors' rule (`reply_to`)."""
 
     command: EngineAsk[Any]
     reply: asyncio.Future[Any]
@@ -163,11 +166,9 @@ Message = Submit | Cancel | Shutdown | Envelope
 
 
 def resolve(future: asyncio.Future[Any], value: Any) -> None:
-    """Set a future's result unless its caller already gave up on it (loop side)."""
-    if not future.done():
-        future.set_result(value)
+    """Loop side: answer an ask unless its caller already gave up on it."""
+    reply_to(future, value)
 
 
 def reject(future: asyncio.Future[Any], error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)
+    reply_to(future, error=error)

@@ -26,7 +26,7 @@ class EngineConfig:
     # chunks of one size), and may overtake a long prompt part-way through its prefill. None: two
     # `prefill_step_size` chunks on the CPU (1,024 tokens), one on a GPU (2,048).
     short_turn_tokens: int | None = None
-    # Decode rows and a prompt's chunk in one forward pass where the model allows (engine/mixed_step.py).
+    # Decode rows and a prompt's chunk in one forward pass where the model allows (mlx_adapter/mixed_step.py).
     mixed_step: bool = True
     # Waiting prompts are admitted shortest uncached part first; one waiting this long goes first.
     shortest_first_max_wait_s: float = 60.0

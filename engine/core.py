@@ -19,7 +19,6 @@ from typing import Any
 import mlx.core as mx
 from loguru import logger
 
-from semantic.engine.cache_matching import is_anonymous
 from semantic.engine.cache_tensors import SerializedCache, to_tensors
 from semantic.engine.commands import (
     DropCache,
@@ -134,9 +133,9 @@ class EngineCore:
             self._drains.count_failed(self._fail_everything(EngineError(fail_reason)))
         runtime = self._runtime
         if runtime is not None:
-            self._scheduler.admit(runtime, self.config, self._outbox, now)
+            plan = self._scheduler.admit(runtime, self.config, self._outbox, now, chunk)
             if len(runtime.batch):
-                runtime.batch.step(chunk)
+                runtime.batch.step(plan.chunk)
         self._update_stats()  # before the events: a client that saw its reply end sees it in the stats
         self._flush()
         if runtime is not None:
@@ -278,8 +277,7 @@ class EngineCore:
         self.stats.num_evictions += len(evicted)
         if not self._keeps_evicted:
             return
-        # Anonymous agents are matched by content in memory only; their ids do not survive a restart.
-        serialized = [to_tensors(s) for s in evicted if not is_anonymous(s.agent_id)]
+        serialized = [to_tensors(s) for s in evicted if runtime.store.policy.goes_to_disk(s.agent_id)]
         if serialized:
             self._keep_evicted(serialized, runtime)
 

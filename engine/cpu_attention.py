@@ -22,9 +22,10 @@ already). A returning turn's 26 tokens over a 36K history: 27-30 ms a layer inst
 Llama, 2 KV heads); a 512-token chunk over 2K with SmolLM2's heads: 49 instead of 72, unmasked
 (2-core Intel Xeon).
 
-Metal and CUDA keep their fused kernels: `cpu_kernels.install_kernel_hooks` routes mlx-lm's attention
-here only when the model runs on the CPU, only on the engine thread, and only for attention it can
-do exactly as mlx-lm would (no attention sinks, no quantized KV cache, inputs `supports` takes).
+Metal and CUDA keep their fused kernels: `mlx_adapter.model_hooks.install_kernel_hooks` routes
+mlx-lm's attention here only when the model runs on the CPU, only on the engine thread, and only for
+attention it can do exactly as mlx-lm would (no attention sinks, no quantized KV cache, inputs
+`supports` takes).
 
 Masks take every shape MLX's own attention takes: anything that broadcasts to [B, heads, L, S], one
 for all heads or one per query head. MLA models (DeepSeek V3, GLM-4 MoE Lite, Kimi) pass their RoPE

@@ -8,7 +8,7 @@ polynomial (relative error < 3e-7) on a non-positive argument, exp(-|gate|), so 
     sigmoid(g) = 1 / (1 + e)  for g >= 0,   e / (1 + e)  for g < 0,   where e = exp(-|g|).
 
 Float32 only (the polynomial builds floats from their bits); other dtypes get mlx-lm's function.
-`cpu_kernels.install_kernel_hooks` routes mlx-lm's `swiglu` here on the engine thread, on the CPU.
+`mlx_adapter.model_hooks.install_kernel_hooks` routes mlx-lm's `swiglu` here on the engine thread, on the CPU.
 """
 
 from __future__ import annotations

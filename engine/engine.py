@@ -7,7 +7,6 @@ in its inbox and awaits replies, so nothing here takes a lock.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import queue
 import threading
 import weakref
@@ -15,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import mlx.core as mx
+import msgspec
 
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.commands import Cancel, EngineAsk, Envelope, Message, Shutdown, Submit, reject
@@ -176,7 +176,7 @@ class Engine:
         if num_prompt >= limit:
             raise PromptTooLongError(num_prompt, limit)
         if num_prompt + request.sampling.max_tokens > limit:
-            request.sampling = dataclasses.replace(request.sampling, max_tokens=limit - num_prompt)
+            request.sampling = msgspec.structs.replace(request.sampling, max_tokens=limit - num_prompt)
         events = EventChannel(asyncio.get_running_loop())
         if self.layout is not None:
             self._open.add(events)

@@ -16,7 +16,6 @@ from typing import Any
 import mlx.core as mx
 from loguru import logger
 
-from semantic.engine import cpu_kernels
 from semantic.engine.cache_tensors import SerializedCache, tokens_digest
 from semantic.engine.commands import (
     DropCache,
@@ -34,6 +33,7 @@ from semantic.engine.distributed import GroupLostError
 from semantic.engine.grammar import GrammarCompiler
 from semantic.engine.lockstep import Follower, GroupDivergedError, Lockstep, config_from
 from semantic.engine.messages import Event, EventChannel
+from semantic.engine.mlx_adapter.model_hooks import cpu_kernels_on_this_thread
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
 from semantic.engine.tick_plan import (
@@ -83,7 +83,7 @@ class FollowerCore(EngineCore):
         GroupLostError when rank 0 or another rank is gone, GroupDivergedError on other tokens."""
         self._stream = mx.new_stream(mx.default_device())
         try:
-            with mx.stream(self._stream), cpu_kernels.cpu_kernels_on_this_thread():
+            with mx.stream(self._stream), cpu_kernels_on_this_thread():
                 try:
                     with self._tick_allowance(True):
                         self._load(self.config.model, self.config.model_name)

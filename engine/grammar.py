@@ -233,7 +233,8 @@ class GrammarCompiler:
 
     def _llguidance_tokenizer(self) -> LLTokenizer:
         if self._ll_tokenizer is None:
-            backend = getattr(getattr(self._tokenizer, "_tokenizer", None), "backend_tokenizer", None)
+            # mlx-lm's TokenizerWrapper hands attributes it lacks to the tokenizer it wraps.
+            backend = getattr(self._tokenizer, "backend_tokenizer", None)
             if backend is None:
                 raise GrammarError(
                     "this model's tokenizer is not a fast (Rust) tokenizer: outputs cannot be constrained"

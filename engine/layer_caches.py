@@ -14,12 +14,12 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, RotatingKVCache
 
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_spec import ModelCacheSpec
 from semantic.engine.cache_tensors import StatePoint
-from semantic.engine.kv_seams import batch_cache_over, in_token_order
+from semantic.engine.mlx_adapter.api import ArraysCache, RotatingKVCache
+from semantic.engine.mlx_adapter.kv_seams import HistoryKVCache, in_token_order
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,27 +155,6 @@ def can_resume_at(
         if window_start(pool, codec, spec, block_ids[:last], slot, num_held) > max(0, num_tokens - window):
             return False
     return True
-
-
-class HistoryKVCache(KVCache):
-    """A turn's full-attention layer rebuilt from pool blocks, with room after its history for the
-    turn's new tokens.
-
-    mlx-lm merges a prompt batch's caches into a `BatchKVCache` by copying each one, and the copy has
-    no room, so the first chunk copies it all again to grow it. A lone prompt (the CPU prefills one
-    at a time) hands its arrays to the batch cache instead: the history is copied once, out of the
-    blocks, and the prefill writes into the room in place. The cache is empty after the hand-over.
-    """
-
-    @classmethod
-    def merge(cls, caches: list[Any]) -> Any:
-        if len(caches) != 1 or caches[0].keys is None:
-            return BatchKVCache.merge(caches)
-        (cache,) = caches
-        batch = batch_cache_over(cache)
-        cache.keys = cache.values = None  # the batch cache's alone, so MLX may update it in place
-        cache.offset = 0
-        return batch
 
 
 def layer_caches(

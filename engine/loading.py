@@ -13,11 +13,12 @@ from typing import Any
 import mlx.core as mx
 import xxhash
 from loguru import logger
-from mlx_lm.utils import load as mlx_lm_load
 
 from semantic.engine.cache_spec import ModelCacheSpec
 from semantic.engine.default_model import DEFAULT_MODEL_SAMPLING, ensure_default_model, user_cache_dir
 from semantic.engine.distributed import GroupLayout
+from semantic.engine.mlx_adapter.api import load as mlx_lm_load
+from semantic.engine.mlx_adapter.api import sharded_load
 from semantic.engine.registry import DEFAULT_MODEL_SOURCES, model_name_for
 from semantic.engine.sampling import GenerationDefaults
 from semantic.engine.weights_digest import digests_of
@@ -181,8 +182,6 @@ def load_model(
 def load_shard(path: str, model_dir: Path | None, layout: GroupLayout) -> tuple[Any, Any]:
     """This rank's part of the model, through mlx-lm's `sharded_load`: heads and MLP columns split
     over the group (tensor parallel), or its run of layers (`pipeline`, where the model has it)."""
-    from mlx_lm.utils import sharded_load
-
     if layout.parallel == "tensor" and model_dir is not None:
         check_heads_divide(model_dir, layout.size)
     group = mx.distributed.init()

@@ -13,12 +13,12 @@ from collections.abc import ItemsView, ValuesView
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
 
 from semantic.engine.cache_keeper import CacheKeeper
 from semantic.engine.config import EngineStats
 from semantic.engine.lockstep import next_digest
 from semantic.engine.messages import FinishReason
+from semantic.engine.mlx_adapter.api import BatchGenerator
 from semantic.engine.outbox import Outbox
 from semantic.engine.sequence import FinishedCache, Sequence
 from semantic.engine.token_logprobs import TokenTexts

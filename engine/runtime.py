@@ -11,10 +11,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from loguru import logger
-from mlx_lm.generate import stream_generate
-from mlx_lm.models.cache import make_prompt_cache
 
-from semantic.engine import cpu_kernels, mlx_seams
 from semantic.engine.agent_cache import AgentCacheStore
 from semantic.engine.batch import Batch
 from semantic.engine.block_pool import BlockPool
@@ -32,6 +29,9 @@ from semantic.engine.config import EngineConfig, EngineStats
 from semantic.engine.distributed import Collectives, GroupLayout
 from semantic.engine.layer_caches import BlockCodec
 from semantic.engine.loading import LoadedModel, load_model
+from semantic.engine.mlx_adapter import checks
+from semantic.engine.mlx_adapter.api import make_prompt_cache, stream_generate
+from semantic.engine.mlx_adapter.model_hooks import install_kernel_hooks
 from semantic.engine.outbox import Outbox
 
 
@@ -57,11 +57,11 @@ class Runtime:
         """Load a model and check mlx-lm's internals we rely on; call on the engine thread. In a
         group every rank calls this in the same tick: each loads its shard, and the pool holds as
         many blocks on every rank (the fewest any rank's budget allows)."""
-        mlx_seams.check_version()
+        checks.check_version()
         loaded = load_model(source, config.block_size, config.default_dtype, name, config.models_dir, layout)
-        mlx_seams.check_seams(loaded.model)
-        mlx_seams.check_batchable(loaded.model)
-        cpu_kernels.install_kernel_hooks()
+        checks.check_seams(loaded.model)
+        checks.check_batchable(loaded.model)
+        install_kernel_hooks()
         spec = loaded.spec
         codec = BlockCodec.for_spec(spec, config.idle_kv_bits)
         budget_bytes = config.cache_budget_mb * 2**20

@@ -18,7 +18,6 @@ from collections.abc import Callable
 import mlx.core as mx
 from loguru import logger
 
-from semantic.engine import cpu_kernels
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.commands import (
     Cancel,
@@ -36,6 +35,7 @@ from semantic.engine.core import EngineCore
 from semantic.engine.distributed import GroupLostError
 from semantic.engine.errors import EngineError, as_ordinary
 from semantic.engine.lockstep import Leader, Lockstep, clock_now
+from semantic.engine.mlx_adapter.model_hooks import cpu_kernels_on_this_thread
 
 
 class ServingCore(EngineCore):
@@ -64,7 +64,7 @@ class ServingCore(EngineCore):
             self._stream = mx.new_stream(mx.default_device())
             with (
                 mx.stream(self._stream),
-                cpu_kernels.cpu_kernels_on_this_thread(),
+                cpu_kernels_on_this_thread(),
                 self._tick_allowance(True),
             ):
                 self._load(self.config.model, self.config.model_name)
@@ -73,7 +73,7 @@ class ServingCore(EngineCore):
             self._loop.call_soon_threadsafe(reject, ready, error)
             return
         self._loop.call_soon_threadsafe(resolve, ready, None)
-        with mx.stream(self._stream), cpu_kernels.cpu_kernels_on_this_thread():
+        with mx.stream(self._stream), cpu_kernels_on_this_thread():
             try:
                 self._serve()
             finally:

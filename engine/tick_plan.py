@@ -13,7 +13,6 @@ A tick with no operations costs one small collective (the header); its plan is n
 from __future__ import annotations
 
 import secrets
-from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -42,23 +41,13 @@ HEADER_LENGTH = 4  # plan bytes, prefill chunk, rank 0's clock (µs), digest of 
 class SubmitOp(msgspec.Struct, tag=True):
     request_id: str
     prompt_tokens: list[int]
-    temperature: float
-    top_p: float
-    top_k: int
-    max_tokens: int
-    stop: list[str]
-    seed: int | None
+    sampling: SamplingParams  # whole, with rank 0's seed: a field left out would make ranks diverge
     queued_at: float
     agent_id: str | None = None
     model_fingerprint: str | None = None
     cache_salt: str | None = None
     grammar: str | None = None
     grammar_trigger: str | None = None
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: list[tuple[int, float]] = msgspec.field(default_factory=list)
     continues_text: bool = False  # the reply's text, and so where stop strings match, depends on it
     shared_head_tokens: int = 0  # where a recurrent model's prefill stops to keep its state
 
@@ -189,29 +178,19 @@ def op_for(message: Message) -> Op | None:
 def _submit_op(request: GenerationRequest, queued_at: float) -> SubmitOp:
     sampling = request.sampling
     if not sampling.is_greedy and sampling.seed is None:
-        sampling = request.sampling = replace(sampling, seed=secrets.randbits(63))
+        sampling = request.sampling = msgspec.structs.replace(sampling, seed=secrets.randbits(63))
     assert sampling.temperature is not None and sampling.top_p is not None and sampling.top_k is not None
     grammar = request.grammar
     return SubmitOp(
         request_id=str(request.request_id),
         prompt_tokens=list(request.prompt_tokens),
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        max_tokens=sampling.max_tokens,
-        stop=list(sampling.stop),
-        seed=sampling.seed,
+        sampling=msgspec.structs.replace(sampling, top_logprobs=None),  # rank 0 alone reports them
         queued_at=queued_at,
         agent_id=_str(request.agent_id),
         model_fingerprint=request.model_fingerprint,
         cache_salt=_str(request.cache_salt),
         grammar=grammar.grammar if grammar is not None else None,
         grammar_trigger=grammar.trigger if grammar is not None else None,
-        min_p=sampling.min_p,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        repetition_penalty=sampling.repetition_penalty,
-        logit_bias=list(sampling.logit_bias),
         continues_text=request.continues_text,
         shared_head_tokens=request.shared_head_tokens,
     )
@@ -224,23 +203,10 @@ def _str(value: str | None) -> str | None:
 
 def request_of(op: SubmitOp) -> GenerationRequest:
     """The request a follower runs for rank 0's (its grammar is compiled by the follower's engine)."""
-    sampling = SamplingParams(
-        temperature=op.temperature,
-        top_p=op.top_p,
-        top_k=op.top_k,
-        max_tokens=op.max_tokens,
-        stop=tuple(op.stop),
-        seed=op.seed,
-        min_p=op.min_p,
-        presence_penalty=op.presence_penalty,
-        frequency_penalty=op.frequency_penalty,
-        repetition_penalty=op.repetition_penalty,
-        logit_bias=tuple((int(t), float(b)) for t, b in op.logit_bias),
-    )
     return GenerationRequest(
         request_id=op.request_id,
         prompt_tokens=op.prompt_tokens,
-        sampling=sampling,
+        sampling=op.sampling,
         agent_id=op.agent_id,
         model_fingerprint=op.model_fingerprint,
         cache_salt=op.cache_salt,

@@ -15,7 +15,8 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.tokenizer_utils import _byte_decoder
+
+from semantic.engine.mlx_adapter.tokenizers import byte_decoder
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +71,7 @@ def _piece_bytes(tokenizer: Any, token_id: int) -> bytes | None:
     piece = str(tokenizer.convert_ids_to_tokens(token_id))
     if (byte := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)) is not None:
         return bytes([int(byte.group(1), 16)])
-    byte_map = _byte_decoder()
+    byte_map = byte_decoder()
     if piece and all(char in byte_map for char in piece):
         return bytes(byte_map[char] for char in piece)
     return None

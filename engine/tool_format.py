@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.tool_parsers import json_tools
+from semantic.engine.mlx_adapter.api import json_tools
 
 ToolSchemas = list[dict[str, Any]]
 ParseToolCall = Callable[[str, ToolSchemas | None], Any]

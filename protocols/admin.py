@@ -7,8 +7,8 @@ import dataclasses
 import msgspec
 from aiohttp import web
 
+from semantic import UnknownModelError
 from semantic.actors.model_session import ModelLoadError, ModelUnavailableError, SwapReport
-from semantic.engine.registry import UnknownModelError
 from semantic.protocols.common import SYSTEM_KEY
 from semantic.protocols.errors import agent_error
 from semantic.protocols.tenancy import require_admin

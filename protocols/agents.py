@@ -19,16 +19,17 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from semantic import Finished, PromptStarted
 from semantic.actors.agent_id import AgentId
 from semantic.actors.agent_messages import AgentExistsError
 from semantic.actors.system import AgentInfo
 from semantic.actors.turns import TurnRequest, TurnStarted
-from semantic.engine.messages import Finished, PromptStarted
 from semantic.protocols.common import GATE_KEY, SYSTEM_KEY, SseWriter, json_response
 from semantic.protocols.errors import ApiError, NotFound
-from semantic.protocols.pipeline import TurnEvent, TurnReply, answer_turn, sampling_params
+from semantic.protocols.pipeline import TurnEvent, TurnReply, answer_turn
 from semantic.protocols.tenancy import CacheSalt, client_agent_id, is_admin, is_visible, scoped_cache_salt
 from semantic.protocols.tool_parser import TextPart
+from semantic.protocols.wire_sampling import SamplingFields, sampling_of
 
 PING_FRAME = b": ping\n\n"
 
@@ -44,20 +45,11 @@ class InputMessage(msgspec.Struct):
     content: str
 
 
-class AgentTurn(msgspec.Struct):
+class AgentTurn(SamplingFields):
     content: str | None = None
     messages: list[InputMessage] | None = None
     stream: bool = False
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None  # None: the model's generation default, as on the other APIs
-    top_k: int | None = None
-    stop: list[str] = msgspec.field(default_factory=list)
-    seed: int | None = None
-    min_p: float | None = None  # these four: null or left out, no effect
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
     model: str | None = None  # a configured model to switch to first; None: the loaded one
     cache_salt: CacheSalt | None = None  # only turns with the same salt share prefix blocks
 
@@ -149,19 +141,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         messages = [{"role": "user", "content": body.content}]
     else:
         raise ApiError("send `content` (a user message) or `messages`")
-    sampling = sampling_params(
-        request,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        seed=body.seed,
-        max_tokens=body.max_tokens,
-        stop=tuple(body.stop),
-        min_p=body.min_p,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty,
-    )
+    sampling = sampling_of(request, body, body.max_tokens)
     turn = TurnRequest(
         f"turn-{uuid.uuid4().hex}",
         agent_id,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
+from semantic import PromptTooLongError
 from semantic.actors.turns import PromptLimitError, TurnRequest, TurnStarted, UnsupportedContentError
-from semantic.engine.engine import PromptTooLongError
 from semantic.protocols.anthropic_reply import MessageReply, MessageStream, new_id
 from semantic.protocols.anthropic_wire import (
     MessagesRequest,
@@ -46,13 +46,12 @@ def to_turn(request: web.Request, body: MessagesRequest, counting: bool = False)
     if not messages:
         raise UnsupportedContentError("messages: none has content the model can read (only thinking blocks)")
     prefill = split_prefill(messages)
-    sampling = sampling_params(
+    sampling = sampling_params(  # the Messages API has no seed, penalties or logit bias
         request,
+        max_tokens=body.max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
-        seed=None,  # the Messages API has no seed
-        max_tokens=body.max_tokens,
         stop=tuple(body.stop_sequences),
     )
     return TurnRequest(

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from semantic import Finished, FinishReason, PromptStarted
 from semantic.actors.turns import TurnStarted
-from semantic.engine.messages import Finished, FinishReason, PromptStarted
 from semantic.protocols.common import SseWriter
 from semantic.protocols.errors import ApiError
 from semantic.protocols.pipeline import CollectedReply, TurnEvent

@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from semantic import ChatMessage
 from semantic.actors.turns import ToolChoice as TurnToolChoice
 from semantic.actors.turns import UnsupportedContentError
-from semantic.engine.chat_format import ChatMessage
 from semantic.protocols.tenancy import CacheSalt
 
 _VOLATILE_LINES = re.compile(r"^x-anthropic-billing-header:.*(?:\n|$)", re.MULTILINE)

@@ -14,45 +14,24 @@ from typing import Literal
 import msgspec
 from aiohttp import web
 
+from semantic import MAX_TOP_LOGPROBS, Finished, TokenLogprob
 from semantic.actors.turns import TurnRequest, TurnStarted
-from semantic.engine.messages import Finished, FinishReason
-from semantic.engine.sampling import MAX_TOP_LOGPROBS
-from semantic.engine.token_logprobs import TokenLogprob
-from semantic.protocols.common import SseWriter
 from semantic.protocols.errors import ApiError
 from semantic.protocols.openai import PING_FRAME
-from semantic.protocols.openai_reply import LOWEST_LOGPROB, Usage, usage_of
-from semantic.protocols.openai_stream import OpenAIStream
-from semantic.protocols.openai_wire import StreamOptions, sampling_options
-from semantic.protocols.pipeline import (
-    CollectedReply,
-    Logprobs,
-    TurnEvent,
-    TurnReply,
-    answer_turn,
-    sampling_params,
-)
+from semantic.protocols.openai_reply import FINISH_REASONS, LOWEST_LOGPROB, Usage, usage_of
+from semantic.protocols.openai_stream import OpenAIStream, reply_factory
+from semantic.protocols.openai_wire import StreamOptions
+from semantic.protocols.pipeline import CollectedReply, Logprobs, TurnEvent, TurnReply, answer_turn
 from semantic.protocols.tenancy import CacheSalt, request_agent_id, scoped_cache_salt
 from semantic.protocols.tool_parser import TextPart
+from semantic.protocols.wire_sampling import SamplingFields, sampling_of
 
-_FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
 
-
-class CompletionRequest(msgspec.Struct):
+class CompletionRequest(SamplingFields):
     prompt: str | list[int]
     model: str = "default"
     stream: bool = False
     max_tokens: int | None = 16  # OpenAI's default for this API
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None  # null, as OpenAI allows in most fields: the default
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     logprobs: int | None = None  # how many alternatives each token's log-probability comes with
     echo: bool | None = None
     suffix: str | None = None
@@ -102,16 +81,7 @@ def to_turn(request: web.Request, body: CompletionRequest) -> TurnRequest:
         raise ApiError("prompt must not be empty")
     if body.logprobs is not None and not 0 <= body.logprobs <= MAX_TOP_LOGPROBS:
         raise ApiError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}")
-    sampling = sampling_params(
-        request,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        seed=body.seed,
-        max_tokens=body.max_tokens,
-        stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
-        **sampling_options(body, body.logprobs),
-    )
+    sampling = sampling_of(request, body, body.max_tokens, body.logprobs)
     text, token_ids = (body.prompt, None) if isinstance(body.prompt, str) else (None, body.prompt)
     return TurnRequest(
         request_id=f"cmpl-{uuid.uuid4().hex}",
@@ -128,13 +98,12 @@ def to_turn(request: web.Request, body: CompletionRequest) -> TurnRequest:
 async def completions(request: web.Request) -> web.StreamResponse:
     body = decode_request(await request.read())
     turn = to_turn(request, body)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    with_logprobs = body.logprobs is not None
 
-    def reply(started: TurnStarted, sse: SseWriter | None) -> TurnReply:
-        if sse is None:
-            return CollectedCompletion(started, turn.request_id, body.logprobs is not None)
-        return CompletionStream(started, turn.request_id, sse, include_usage)
+    def collected(started: TurnStarted) -> TurnReply:
+        return CollectedCompletion(started, turn.request_id, with_logprobs)
 
+    reply = reply_factory(collected, CompletionStream, turn.request_id, body.stream_options)
     return await answer_turn(request, turn, body.stream, reply, PING_FRAME)
 
 
@@ -171,7 +140,7 @@ class CollectedCompletion(CollectedReply):
     def body(self) -> Completion:
         finished = self.final
         logprobs = None if self.logprobs is None else legacy_logprobs(self.logprobs, 0)
-        choice = CompletionChoice("".join(self.texts), 0, logprobs, _FINISH_REASONS[finished.reason])
+        choice = CompletionChoice("".join(self.texts), 0, logprobs, FINISH_REASONS[finished.reason])
         return Completion(
             self.completion_id, int(time.time()), self.started.model_name, [choice], usage_of(finished)
         )
@@ -180,9 +149,7 @@ class CollectedCompletion(CollectedReply):
 class CompletionStream(OpenAIStream[str, CompletionChoice]):
     """A streaming reply: text_completion chunks, a usage chunk on request, then [DONE]."""
 
-    def __init__(self, started: TurnStarted, completion_id: str, sse: SseWriter, include_usage: bool) -> None:
-        super().__init__(started, completion_id, sse, include_usage)
-        self.num_chars = 0
+    num_chars = 0  # sent so far: where the next chunk's log-probabilities start
 
     async def part(self, event: TurnEvent) -> None:
         if isinstance(event, TextPart) and event.text:
@@ -192,7 +159,7 @@ class CompletionStream(OpenAIStream[str, CompletionChoice]):
         return ""
 
     def finish_reason(self, finished: Finished) -> str:
-        return _FINISH_REASONS[finished.reason]
+        return FINISH_REASONS[finished.reason]
 
     def choice(self, piece: str, finish_reason: str | None, tokens: list[TokenLogprob]) -> CompletionChoice:
         logprobs = legacy_logprobs(tokens, self.num_chars) if tokens else None

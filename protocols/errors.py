@@ -13,11 +13,9 @@ from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 from loguru import logger
 
+from semantic import EngineError, PersistenceStoppedError, UnknownModelError
 from semantic.actors.agent_messages import AgentDeletedError, AgentStoppedError, MailboxFullError
 from semantic.actors.model_session import ModelSwitchForbiddenError, ModelUnavailableError
-from semantic.engine.engine import EngineError
-from semantic.engine.registry import UnknownModelError
-from semantic.storage.persistence import PersistenceStoppedError
 
 _encode = msgspec.json.Encoder().encode
 ANTHROPIC_ERROR_TYPES = {

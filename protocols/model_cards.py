@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from semantic.engine.registry import ModelEntry
+from semantic import ModelEntry
 from semantic.protocols.common import SYSTEM_KEY
 
 

@@ -18,8 +18,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from loguru import logger
 
-from semantic.engine.engine import RequestStream
-from semantic.engine.messages import Event, Finished, PromptStarted, TokenDelta
+from semantic import Event, Finished, PromptStarted, RequestStream, TokenDelta
 from semantic.protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY
 from semantic.protocols.errors import ApiError, RequestTimedOut, as_api_error, protocol_of
 

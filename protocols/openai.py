@@ -13,12 +13,11 @@ import uuid
 import msgspec
 from aiohttp import web
 
+from semantic import Finished, PromptStarted, TokenLogprob
 from semantic.actors.turns import TurnRequest, TurnStarted
-from semantic.engine.messages import Finished, FinishReason, PromptStarted
-from semantic.engine.token_logprobs import TokenLogprob
-from semantic.protocols.common import SseWriter
 from semantic.protocols.errors import ApiError
 from semantic.protocols.openai_reply import (
+    FINISH_REASONS,
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
@@ -31,31 +30,23 @@ from semantic.protocols.openai_reply import (
     usage_of,
     wire_logprobs,
 )
-from semantic.protocols.openai_stream import OpenAIStream
+from semantic.protocols.openai_stream import OpenAIStream, reply_factory
 from semantic.protocols.openai_wire import (
     ChatCompletionRequest,
     FunctionCall,
     ToolCall,
     decode_request,
     output_schema,
-    sampling_options,
     to_chat_messages,
     tool_choice,
     top_logprobs,
 )
-from semantic.protocols.pipeline import (
-    CollectedReply,
-    Logprobs,
-    TurnEvent,
-    TurnReply,
-    answer_turn,
-    sampling_params,
-)
+from semantic.protocols.pipeline import CollectedReply, Logprobs, TurnEvent, TurnReply, answer_turn
 from semantic.protocols.reasoning import ThinkingPart
 from semantic.protocols.tenancy import request_agent_id, scoped_cache_salt
 from semantic.protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallStart
+from semantic.protocols.wire_sampling import sampling_of
 
-_FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
 PING_FRAME = b": ping\n\n"
 
 
@@ -70,18 +61,8 @@ def to_turn(request: web.Request, body: ChatCompletionRequest) -> TurnRequest:
         if messages[-1]["role"] != "assistant" or not isinstance(messages[-1].get("content"), str):
             raise ApiError("continue_final_message needs a final assistant message with text content")
         prefill = messages.pop()["content"]
-    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    sampling = sampling_params(
-        request,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        seed=body.seed,
-        max_tokens=max_tokens,
-        stop=stop,
-        **sampling_options(body, top_logprobs(body)),
-    )
+    sampling = sampling_of(request, body, max_tokens, top_logprobs(body))
     return TurnRequest(
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
         agent_id=request_agent_id(request, body.session_id),
@@ -99,18 +80,16 @@ def to_turn(request: web.Request, body: ChatCompletionRequest) -> TurnRequest:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = decode_request(await request.read())
     turn = to_turn(request, body)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def reply(started: TurnStarted, sse: SseWriter | None) -> TurnReply:
-        if sse is None:
-            return CompletionReply(started, turn.request_id, bool(body.logprobs))
-        return ChatCompletionStream(started, turn.request_id, sse, include_usage)
+    def collected(started: TurnStarted) -> TurnReply:
+        return CompletionReply(started, turn.request_id, bool(body.logprobs))
 
+    reply = reply_factory(collected, ChatCompletionStream, turn.request_id, body.stream_options)
     return await answer_turn(request, turn, body.stream, reply, PING_FRAME)
 
 
 def _finish_reason(finished: Finished, called_tool: bool) -> str:
-    return "tool_calls" if called_tool else _FINISH_REASONS[finished.reason]
+    return "tool_calls" if called_tool else FINISH_REASONS[finished.reason]
 
 
 def _call_id() -> str:
@@ -161,9 +140,7 @@ class CompletionReply(CollectedReply):
 class ChatCompletionStream(OpenAIStream[Delta, ChunkChoice]):
     """A streaming reply: chat.completion.chunk deltas, a usage chunk on request, then [DONE]."""
 
-    def __init__(self, started: TurnStarted, completion_id: str, sse: SseWriter, include_usage: bool) -> None:
-        super().__init__(started, completion_id, sse, include_usage)
-        self.num_calls = 0
+    num_calls = 0  # tool calls started so far
 
     async def part(self, event: TurnEvent) -> None:
         match event:

@@ -6,9 +6,11 @@ from typing import Literal
 
 import msgspec
 
-from semantic.engine.messages import Finished
-from semantic.engine.token_logprobs import TokenLogprob as EngineTokenLogprob
+from semantic import Finished, FinishReason
+from semantic import TokenLogprob as EngineTokenLogprob
 from semantic.protocols.openai_wire import ToolCall
+
+FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}
 
 
 class TopLogprob(msgspec.Struct):

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from semantic import Finished, TokenLogprob
 from semantic.actors.turns import TurnStarted
-from semantic.engine.messages import Finished
-from semantic.engine.token_logprobs import TokenLogprob
 from semantic.protocols.common import SseWriter
 from semantic.protocols.errors import ApiError, OpenAIError, OpenAIErrorDetail
 from semantic.protocols.openai_reply import Usage, usage_of
-from semantic.protocols.pipeline import Logprobs, TurnEvent
+from semantic.protocols.openai_wire import StreamOptions
+from semantic.protocols.pipeline import Logprobs, ReplyFactory, TurnEvent, TurnReply
 
 Piece = TypeVar("Piece")  # what one chunk carries: a chat delta, or text
 Choice = TypeVar("Choice")
@@ -66,3 +67,18 @@ class OpenAIStream(ABC, Generic[Piece, Choice]):
 
     @abstractmethod
     def chunk(self, choices: list[Choice], usage: Usage | None = None) -> object: ...
+
+
+def reply_factory(
+    collected: Callable[[TurnStarted], TurnReply],
+    streamed: type[OpenAIStream[Piece, Choice]],
+    completion_id: str,
+    options: StreamOptions | None,
+) -> ReplyFactory:
+    """Both OpenAI APIs' replies: `collected`'s one JSON body, or `streamed`'s chunks."""
+    include_usage = bool(options and options.include_usage)
+
+    def reply(started: TurnStarted, sse: SseWriter | None) -> TurnReply:
+        return collected(started) if sse is None else streamed(started, completion_id, sse, include_usage)
+
+    return reply

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import msgspec
 
+from semantic import ChatMessage as TemplateMessage
 from semantic.actors.turns import ToolChoice, UnsupportedContentError
-from semantic.engine.chat_format import ChatMessage as TemplateMessage
 from semantic.protocols.tenancy import CacheSalt
+from semantic.protocols.wire_sampling import SamplingFields
 
 # OpenAI's content part types and roles: any other is refused (400, naming its JSON path), not skipped.
 PartType = Literal["text", "image_url", "input_audio", "file", "refusal"]
@@ -81,17 +82,12 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(msgspec.Struct):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     model: str = "default"
     stream: bool = False
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
     n: int | None = None  # 1 (null: 1); more is refused
     session_id: str | None = None
     stream_options: StreamOptions | None = None
@@ -103,11 +99,6 @@ class ChatCompletionRequest(msgspec.Struct):
     cache_salt: CacheSalt | None = None  # vLLM's: only requests with the same salt share prefix blocks
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    presence_penalty: float | None = None  # null, as OpenAI allows in each: the default
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as a string key): added to its logit
-    repetition_penalty: float | None = None  # vLLM's and mlx_lm.server's extension, as is min_p
-    min_p: float | None = None
 
 
 def _text_of(message: ChatMessage) -> str:
@@ -171,36 +162,6 @@ def output_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
     if form.json_schema is None:
         raise ValueError("response_format.json_schema: required when type is json_schema")
     return form.json_schema.schema or {"type": "object"}
-
-
-class OpenAISampling(Protocol):
-    """The sampling fields both OpenAI APIs (chat and text completions) have beyond every API's."""
-
-    presence_penalty: float | None
-    frequency_penalty: float | None
-    repetition_penalty: float | None
-    min_p: float | None
-    logit_bias: dict[str, float] | None
-
-
-def sampling_options(body: OpenAISampling, num_top_logprobs: int | None) -> dict[str, Any]:
-    """The SamplingParams fields beyond those every API has."""
-    return {
-        "top_logprobs": num_top_logprobs,
-        "presence_penalty": body.presence_penalty,
-        "frequency_penalty": body.frequency_penalty,
-        "repetition_penalty": body.repetition_penalty,
-        "min_p": body.min_p,
-        "logit_bias": token_biases(body.logit_bias),
-    }
-
-
-def token_biases(logit_bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's `logit_bias` (token ids as the keys' text) as the engine takes it."""
-    try:
-        return tuple((int(token), float(value)) for token, value in (logit_bias or {}).items())
-    except ValueError:
-        raise ValueError("logit_bias: keys are token ids (integers)") from None
 
 
 def top_logprobs(body: ChatCompletionRequest) -> int | None:

@@ -7,8 +7,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from semantic import MAX_LOGIT_BIASES, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
 from semantic.actors.agent_id import MAX_AGENT_ID_LENGTH
-from semantic.engine.sampling import MAX_LOGIT_BIASES, MAX_TOP_LOGPROBS
 from semantic.protocols import agents, anthropic, anthropic_reply, completions, openai_reply, openai_wire
 from semantic.protocols.admin import LoadModel
 from semantic.protocols.errors import AgentError, AnthropicError, OpenAIError
@@ -72,19 +72,24 @@ AGENT_ID = [{"name": "agent_id", "in": "path", "required": True, "schema": AGENT
 
 MAX_TOKEN_ID = 9_999  # what the document allows in token ids (the handlers check the model's own)
 TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID}
-SAMPLING_RANGES: dict[str, dict[str, Any]] = {
-    "max_tokens": {"minimum": 1},
-    "max_completion_tokens": {"minimum": 1},
-    "temperature": {"minimum": 0, "maximum": 2},
-    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"minimum": 0},
-    "seed": {"minimum": 0, "maximum": 2**64 - 1},
-    "top_logprobs": {"minimum": 0, "maximum": MAX_TOP_LOGPROBS},
-    "min_p": {"minimum": 0, "maximum": 1},
-    "presence_penalty": {"minimum": -2, "maximum": 2},
-    "frequency_penalty": {"minimum": -2, "maximum": 2},
-    "repetition_penalty": {"minimum": 0.01, "maximum": 10},
-}
+_LIMITS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _sampling_ranges() -> dict[str, dict[str, Any]]:
+    """Each SamplingParams field's bounds as JSON schema, read from the struct (engine/sampling.py
+    states them once), under the name of the wire field that sets it."""
+    _, components = msgspec.json.schema_components([SamplingParams])
+    ranges = {}
+    for name, field in components["SamplingParams"]["properties"].items():
+        for branch in field.get("anyOf", [field]):
+            if limits := {key: value for key, value in branch.items() if key in _LIMITS}:
+                ranges[name] = limits
+    ranges["seed"]["maximum"] = MAX_SEED  # beyond what msgspec's bounds take
+    ranges["max_completion_tokens"] = ranges["max_tokens"]
+    return ranges
+
+
+SAMPLING_RANGES = _sampling_ranges()
 
 
 def _refine(components: dict[str, Any]) -> None:
@@ -102,6 +107,7 @@ def _refine(components: dict[str, Any]) -> None:
     completion = components["CompletionRequest"]
     for request in (chat, completion):
         request["properties"]["n"] = {"const": 1, "default": 1}
+    for request in (chat, completion, components["AgentTurn"]):
         request["properties"]["logit_bias"]["anyOf"][0].update(
             description=f"token ids (below the model's vocabulary size; below {MAX_TOKEN_ID + 1:,} here, "
             "as the vocabularies of all common models are larger) mapped to what is added to their logits",

@@ -2,10 +2,10 @@
 
 A protocol handler parses its body into a `TurnRequest` and says how to render the turn's events
 (a `TurnReply`); everything else lives here once: the request bounds and admission (429), handing
-the turn to its agent actor, reading the engine's events as reasoning, text and tool-call parts,
-keep-alive pings, waiting for the turn to be durable before the last event, errors (raised before
-the first byte, in-band after it) and cancelling the generation however the handler ends,
-including a client that disconnects before the first read.
+the turn to its agent actor, reading its one stream as reasoning, text and tool-call parts (its
+Finished comes once the actor made the turn durable), keep-alive pings, errors (raised before the
+first byte, in-band after it) and cancelling the generation however the handler ends, including a
+client that disconnects before the first read.
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from semantic import Event, Finished, PromptProgress, PromptStarted, SamplingParams, TokenDelta, TokenLogprob
 from semantic.actors.turns import TurnRequest, TurnStarted
-from semantic.engine.messages import Event, Finished, PromptProgress, PromptStarted, TokenDelta
-from semantic.engine.sampling import SamplingParams
-from semantic.engine.token_logprobs import TokenLogprob
 from semantic.protocols.common import SETTINGS_KEY, SYSTEM_KEY, SseWriter, json_response
 from semantic.protocols.errors import ApiError, as_api_error
 from semantic.protocols.observe import admit, check_bounds, watch
@@ -64,27 +62,17 @@ ReplyFactory = Callable[[TurnStarted, SseWriter | None], TurnReply]
 
 
 def sampling_params(
-    request: web.Request,
-    *,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-    max_tokens: int | None,
-    stop: tuple[str, ...],
-    **options: Any,
+    request: web.Request, *, max_tokens: int | None, temperature: float | None = None, **fields: Any
 ) -> SamplingParams:
-    """A request's sampling, with the server's defaults for what it leaves out; `options` are the
-    SamplingParams fields only some APIs have (penalties, log-probabilities)."""
+    """A request's sampling, the one place each API's becomes a SamplingParams: the server's default
+    temperature and max_tokens where it sets none; `fields` are SamplingParams fields, None unset."""
     model = request.app[SETTINGS_KEY].model
-    return SamplingParams(  # None: the served model's generation defaults fill it in
+    return SamplingParams(
         temperature=model.temperature if temperature is None else temperature,
-        top_p=top_p,
-        top_k=top_k,
         max_tokens=model.default_max_tokens if max_tokens is None else max_tokens,
-        stop=stop,
-        seed=seed,
-        **{name: value for name, value in options.items() if value is not None},  # null: the default
+        top_p=fields.pop("top_p", None),  # None: the served model's generation defaults fill it in
+        top_k=fields.pop("top_k", None),
+        **{name: value for name, value in fields.items() if value is not None},  # null: the default
     )
 
 
@@ -121,8 +109,6 @@ async def answer_turn(
         async for event in turn_events(started):
             if request.transport is None or request.transport.is_closing():
                 raise ConnectionResetError("the client closed the connection")
-            if isinstance(event, Finished):
-                await started.committed  # acknowledge only a durable turn
             if isinstance(event, KeepAlive):
                 if sse is not None and sse.num_events:
                     await sse.ping()
@@ -183,30 +169,14 @@ async def turn_events(started: TurnStarted) -> AsyncIterator[TurnEvent]:
 
 
 async def _with_keepalives(started: TurnStarted) -> AsyncIterator[Event | KeepAlive]:
-    """The stream's events, with a KeepAlive after each KEEPALIVE_S without one."""
-    inbox: asyncio.Queue[Event | None] = asyncio.Queue()
-
-    async def pump() -> None:
-        try:
-            async for event in started.stream:
-                inbox.put_nowait(event)
-        except Exception as error:
-            inbox.put_nowait(error)
-        inbox.put_nowait(None)
-
-    pumping = asyncio.get_running_loop().create_task(pump())
-    try:
-        while True:
-            try:  # not asyncio.wait_for: on 3.11 it can swallow a cancellation (a client leaving)
-                async with asyncio.timeout(KEEPALIVE_S):
-                    event = await inbox.get()
-            except TimeoutError:
-                yield KeepAlive()
-                continue
-            if event is None:
-                return
-            if isinstance(event, BaseException):
-                raise event
-            yield event
-    finally:
-        pumping.cancel()
+    """The turn's events, with a KeepAlive after each KEEPALIVE_S without one: the wait for the
+    next event is what times out (reading is safe to cancel), so no task or queue of our own."""
+    stream = started.stream
+    while stream.finished is None:
+        try:  # not asyncio.wait_for: on 3.11 it can swallow a cancellation (a client leaving)
+            async with asyncio.timeout(KEEPALIVE_S):
+                event = await stream.read()
+        except TimeoutError:
+            yield KeepAlive()
+            continue
+        yield event

@@ -25,7 +25,7 @@ from typing import Any
 
 from mlx_lm.generate import TextStateMachine
 
-from semantic.engine.tool_format import HERMES, ToolFormat, ToolSchemas
+from semantic import HERMES, ToolFormat, ToolSchemas
 
 _BARE_CALL = '{"name"'
 

@@ -25,7 +25,8 @@ import mlx.optimizers as optim
 from mlx_lm.models.cache import KVCache
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from semantic.engine import cpu_exp, cpu_kernels
+from semantic.engine import cpu_exp
+from semantic.engine.mlx_adapter import model_hooks
 
 Example = tuple[list[int], int]  # token ids of prompt plus reply, where the reply starts
 
@@ -74,12 +75,12 @@ def frozen_states(model: nn.Module, examples: list[Example], first_trained: int)
     token order, so each shares the longest head with the one before: its cache is cut back to the
     shared head and only the rest is run."""
     layers = model.model.layers[:first_trained]
-    cpu_kernels.install_kernel_hooks()
+    model_hooks.install_kernel_hooks()
     caches = [KVCache() for _ in layers]
     states: dict[int, mx.array] = {}
     previous_tokens: list[int] = []
     previous_state = mx.zeros((1, 0, model.args.hidden_size))
-    with cpu_kernels.cpu_kernels_on_this_thread():
+    with model_hooks.cpu_kernels_on_this_thread():
         for index in sorted(range(len(examples)), key=lambda i: examples[i][0]):
             tokens = examples[index][0]
             shared = min(_shared_length(previous_tokens, tokens), len(tokens) - 1)

@@ -22,12 +22,52 @@ if TYPE_CHECKING:
     from semantic.actors.handle import AgentHandle, TurnSummary
     from semantic.actors.system import AgentInfo, AgentSystem, SystemConfig
     from semantic.actors.turns import ToolChoice, TurnRequest, TurnStarted
+    from semantic.engine.chat_format import ChatMessage
     from semantic.engine.engine import EngineConfig
-    from semantic.engine.sampling import SamplingParams
+    from semantic.engine.errors import EngineError, PromptTooLongError
+    from semantic.engine.messages import (
+        Event,
+        Finished,
+        FinishReason,
+        PromptProgress,
+        PromptStarted,
+        TokenDelta,
+    )
+    from semantic.engine.registry import ModelEntry, UnknownModelError
+    from semantic.engine.request_stream import RequestStream
+    from semantic.engine.sampling import MAX_LOGIT_BIASES, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
+    from semantic.engine.token_logprobs import TokenLogprob
+    from semantic.engine.tool_format import HERMES, ToolFormat, ToolSchemas
+    from semantic.storage.persistence import PersistenceStoppedError
 
 __version__ = "0.1.0"
 
+# The engine's and storage's types the HTTP protocols use: they import neither package directly.
+_SERVING_TYPES = {
+    "ChatMessage": "semantic.engine.chat_format",
+    "EngineError": "semantic.engine.errors",
+    "Event": "semantic.engine.messages",
+    "Finished": "semantic.engine.messages",
+    "FinishReason": "semantic.engine.messages",
+    "HERMES": "semantic.engine.tool_format",
+    "MAX_LOGIT_BIASES": "semantic.engine.sampling",
+    "MAX_SEED": "semantic.engine.sampling",
+    "MAX_TOP_LOGPROBS": "semantic.engine.sampling",
+    "ModelEntry": "semantic.engine.registry",
+    "PromptProgress": "semantic.engine.messages",
+    "PromptStarted": "semantic.engine.messages",
+    "PersistenceStoppedError": "semantic.storage.persistence",
+    "PromptTooLongError": "semantic.engine.errors",
+    "RequestStream": "semantic.engine.request_stream",
+    "TokenDelta": "semantic.engine.messages",
+    "TokenLogprob": "semantic.engine.token_logprobs",
+    "ToolFormat": "semantic.engine.tool_format",
+    "ToolSchemas": "semantic.engine.tool_format",
+    "UnknownModelError": "semantic.engine.registry",
+}
+
 _HOMES = {
+    **_SERVING_TYPES,
     "AgentHandle": "semantic.actors.handle",
     "AgentId": "semantic.actors.agent_id",
     "AgentInfo": "semantic.actors.system",
@@ -43,18 +83,38 @@ _HOMES = {
 }
 
 __all__ = [
+    "HERMES",
+    "MAX_LOGIT_BIASES",
+    "MAX_SEED",
+    "MAX_TOP_LOGPROBS",
     "AgentHandle",
     "AgentId",
     "AgentInfo",
     "AgentSystem",
+    "ChatMessage",
     "EngineConfig",
+    "EngineError",
+    "Event",
+    "FinishReason",
+    "Finished",
     "InvalidAgentIdError",
+    "ModelEntry",
+    "PersistenceStoppedError",
+    "PromptProgress",
+    "PromptStarted",
+    "PromptTooLongError",
+    "RequestStream",
     "SamplingParams",
     "SystemConfig",
+    "TokenDelta",
+    "TokenLogprob",
     "ToolChoice",
+    "ToolFormat",
+    "ToolSchemas",
     "TurnRequest",
     "TurnStarted",
     "TurnSummary",
+    "UnknownModelError",
     "__version__",
 ]
 

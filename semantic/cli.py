@@ -1,15 +1,20 @@
-"""The `semantic` command: `serve` the HTTP API, `config`, `generate` one answer, `fetch-model`."""
+"""The `semantic` command: `serve` the HTTP API, `config`, `generate` one answer, `fetch-model`,
+`service` (a login service), `doctor` (check the machine)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from semantic.agents_cli import add_agents_parsers
 from semantic.cli_settings import add_settings_args, load_settings_from
+from semantic.doctor import add_doctor_parser
 from semantic.launch import reexec_with_fast_blas
+from semantic.service import add_service_parser
 
 if TYPE_CHECKING:
     from semantic.actors.system import SystemConfig
@@ -200,8 +205,7 @@ def show_config(args: argparse.Namespace) -> None:
 
 
 async def _generate(args: argparse.Namespace, settings: Settings) -> None:
-    from semantic import AgentId, AgentSystem, SamplingParams, TurnRequest
-    from semantic.engine.messages import TokenDelta
+    from semantic import AgentId, AgentSystem, SamplingParams, TokenDelta, TurnRequest
 
     system = AgentSystem(_system_config(settings))
     await system.start()
@@ -226,7 +230,13 @@ def generate(args: argparse.Namespace) -> None:
 
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
-    asyncio.run(_generate(args, settings))
+    from semantic.storage.cache_dir_lock import CacheDirBusyError, CacheDirLock, LockHolder
+
+    try:  # it writes caches and conversations like a server: one writer per cache dir
+        with CacheDirLock(_cache_dir(settings), LockHolder(os.getpid(), "command")):
+            asyncio.run(_generate(args, settings))
+    except CacheDirBusyError as error:
+        raise SystemExit(f"semantic generate: {error}; ask that server instead") from None
 
 
 def fetch_model(args: argparse.Namespace) -> None:
@@ -237,9 +247,16 @@ def fetch_model(args: argparse.Namespace) -> None:
     print(ensure_default_model(settings.model.dtype, progress=_progress_bar(), models_dir=models_dir))
 
 
+def _version() -> str:
+    from semantic import __version__
+
+    return __version__
+
+
 def main(argv: list[str] | None = None) -> None:
     reexec_with_fast_blas()
     parser = argparse.ArgumentParser(prog="semantic", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve_parser = commands.add_parser("serve", help="serve the HTTP API")
@@ -263,6 +280,10 @@ def main(argv: list[str] | None = None) -> None:
     fetch_parser = commands.add_parser("fetch-model", help="fetch and convert the default model")
     add_settings_args(fetch_parser, server=False)  # --dtype, --cache-dir and --models-dir decide where
     fetch_parser.set_defaults(run=fetch_model)
+
+    add_service_parser(commands)
+    add_agents_parsers(commands)
+    add_doctor_parser(commands)
 
     args = parser.parse_args(argv)
     args.run(args)

@@ -133,6 +133,9 @@ SERVER_FLAGS = [
     ("--agent-rate-burst", "limits.agent_rate_burst", "burst for --agent-rate-per-s"),
     ("--log-format", "logging.format", "human or json (JSON lines)"),
     ("--log-level", "logging.level", "loguru level, e.g. INFO or DEBUG"),
+    ("--log-file", "logging.file", "also log to this file, rotated (stderr then gets warnings only)"),
+    ("--log-rotate-mb", "logging.rotate_mb", "start a new log file past this size, in MiB"),
+    ("--log-keep-files", "logging.keep_files", "rotated log files kept, newest first"),
 ]
 
 

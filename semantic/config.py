@@ -77,7 +77,9 @@ class EngineSection(_Section):
     prefill_stall_ratio: Annotated[float, Meta(ge=0, le=100)] = 1.0  # 0: whole chunks (off)
     # a prompt with at most this many uncached tokens goes in whole chunks; 0: one prefill step
     short_turn_tokens: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
-    mixed_step: bool = True  # decode and a prompt's chunk in one forward pass (engine/mixed_step.py)
+    mixed_step: bool = (
+        True  # decode and a prompt's chunk in one forward pass (engine/mlx_adapter/mixed_step.py)
+    )
     shortest_first_max_wait_s: Annotated[float, Meta(ge=0, le=86400)] = 60.0
     # Under mlx.launch: split the model's layers over the group instead of its heads (where the
     # model supports it), and how long a silent rank is waited for before the group stops.
@@ -100,6 +102,11 @@ class LimitsSection(_Section):
 class LoggingSection(_Section):
     format: Literal["human", "json"] = "human"
     level: Literal["TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    # Also write the lines to this file, rotated past rotate_mb, the newest keep_files kept; stderr then
+    # gets warnings only (a service's stderr goes to a file too: the lines would be there twice).
+    file: str | None = None
+    rotate_mb: Positive = 50.0
+    keep_files: Annotated[int, Meta(ge=1, le=1000)] = 10
 
 
 class Settings(_Section):

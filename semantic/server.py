@@ -38,6 +38,7 @@ from semantic.engine.registry import ModelEntry
 from semantic.protocols.app import create_app
 from semantic.protocols.common import GATE_KEY, SYSTEM_KEY
 from semantic.protocols.connections import CappedSite
+from semantic.storage.cache_dir_lock import CacheDirBusyError, CacheDirLock, LockHolder
 from semantic.storage.shard_files import ShardFiles
 
 HANDLER_GRACE_S = 5.0  # after the engine is drained, for handlers to write their last events
@@ -101,7 +102,16 @@ async def serve_until_signalled(config: SystemConfig, settings: Settings) -> int
 
 
 def run_server(config: SystemConfig, settings: Settings) -> int:
-    return asyncio.run(serve_until_signalled(config, settings))
+    """Serve while holding the cache dir's lock (a follower rank writes only its own `rank-r-of-n/`
+    folder, so rank 0's lock covers the group); refuse to start where another process holds it."""
+    holder = LockHolder(os.getpid(), "server", settings.server.host, settings.server.port)
+    try:
+        with CacheDirLock(config.cache_dir, holder):
+            return asyncio.run(serve_until_signalled(config, settings))
+    except CacheDirBusyError as error:
+        raise SystemExit(
+            f"semantic: refusing to serve: {error}; stop it first, or serve another --cache-dir"
+        ) from None
 
 
 def run_follower(config: SystemConfig) -> int:

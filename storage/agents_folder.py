@@ -165,9 +165,9 @@ def unlink(*paths: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _quarantined_at(path: Path) -> int:
+def quarantined_at(path: Path) -> int:
     """When a file was moved aside: the number its name ends with (nanoseconds; milliseconds in
-    older names, which sort before)."""
+    older names, which sort before; 0 for a name without one)."""
     suffix = path.name.rpartition(".")[2]
     return int(suffix) if suffix.isdigit() else 0
 
@@ -181,8 +181,22 @@ def move_aside(path: Path, quarantine_dir: Path) -> bool:
         os.replace(path, target)
     except FileNotFoundError:
         return False
-    kept = sorted(quarantine_dir.iterdir(), key=_quarantined_at, reverse=True)
+    kept = sorted(quarantine_dir.iterdir(), key=quarantined_at, reverse=True)
     for old in kept[MAX_QUARANTINED:]:
         logger.info("removing {} from the quarantine, which keeps the newest {}", old.name, MAX_QUARANTINED)
         old.unlink(missing_ok=True)
+    return True
+
+
+NEWER_FORMAT_DIR = "newer-format"  # beside quarantine/: files a later release wrote, kept for it
+
+
+def set_aside(path: Path, folder: Path) -> bool:
+    """Move a file of a newer format than this release reads into `folder`, under its own name
+    (a later release, or a person, can move it back); False when it is gone."""
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(path, folder / path.name)
+    except FileNotFoundError:
+        return False
     return True

@@ -42,6 +42,16 @@ class CacheFileError(ValueError):
     """The file cannot be used: truncated, corrupt, or made for another model."""
 
 
+class NewerCacheFileError(CacheFileError):
+    """A file of a format newer than this release reads: set aside for that release, not misread
+    (a caller that does not tell it apart quarantines it as any unusable file)."""
+
+
+def is_newer_version(version: object, current: str) -> bool:
+    """Whether a stated format version (a decimal string) is newer than `current`."""
+    return isinstance(version, str) and version.isdigit() and int(version) > int(current)
+
+
 @dataclass(slots=True)
 class CacheIdentity:
     model_name: str
@@ -162,15 +172,27 @@ def read_stated_tokens(path: Path) -> tuple[int, str]:
     until the file is read: a wrong digest can only keep a file another cache's turn would replace,
     and a restored cache is reused only as far as its token ids match the prompt's."""
     try:
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            if header_len > 1 << 24:
-                return 0, ""
-            metadata = json.loads(f.read(header_len)).get("__metadata__", {})
+        metadata = read_metadata(path)
         digest = metadata.get("tokens_digest", "")
         return int(metadata.get("num_tokens", 0)), digest if isinstance(digest, str) else ""
     except (OSError, ValueError, struct.error, AttributeError):
         return 0, ""
+
+
+MAX_HEADER_BYTES = 1 << 24
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """A cache file's header metadata, no tensors read and nothing checked; raises OSError,
+    ValueError (json's too), struct.error or AttributeError on a file that is not safetensors."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > MAX_HEADER_BYTES:
+            raise ValueError(f"a header of {header_len} bytes")
+        metadata = json.loads(f.read(header_len)).get("__metadata__", {})
+    if not isinstance(metadata, dict):
+        raise ValueError("metadata is not a JSON object")
+    return metadata
 
 
 def read_cache_file(path: Path, identity: CacheIdentity, agent_id: str | None = None) -> SerializedCache:
@@ -195,6 +217,8 @@ def _verified(
     metadata: dict[str, str], tensors: dict[str, np.ndarray], identity: CacheIdentity, agent_id: str | None
 ) -> SerializedCache:
     version = metadata.get("format_version")
+    if is_newer_version(version, FORMAT_VERSION):
+        raise NewerCacheFileError(f"format version {version!r}, newer than this release's {FORMAT_VERSION}")
     if version not in READABLE_VERSIONS:
         raise CacheFileError(f"format version {version!r}, expected one of {', '.join(READABLE_VERSIONS)}")
     if metadata.get("model_fingerprint") != identity.fingerprint:

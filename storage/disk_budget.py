@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from semantic.actors.agent_id import AgentId
+from semantic.engine.eviction import LRU, EvictionPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,7 @@ class DiskBudget:
     # A cache file being written is on the disk already, beside the file it replaces: counted until
     # then (its rename, or its removal when the write fails), so room is made before it is written.
     num_writing_bytes: int = 0
+    policy: EvictionPolicy = LRU  # which files go first (`engine/eviction.py`)
 
     @property
     def num_bytes(self) -> int:
@@ -48,16 +50,9 @@ class DiskBudget:
         self.files.pop(agent_id, None)
 
     def over(self, keep: AgentId | None = None) -> list[AgentId]:
-        """The agents whose files to delete, least recently used first, to get within the budget;
-        `keep` (the file just written) goes only if it alone is over."""
+        """The agents whose files to delete, in the policy's order (least recently used first), to
+        get within the budget; `keep` (the file just written) goes only if it alone is over."""
         if self.max_bytes is None:
             return []
-        excess = self.num_bytes - self.max_bytes
-        victims: list[AgentId] = []
-        by_age = sorted(self.files.items(), key=lambda item: (item[0] == keep, item[1].last_used, item[0]))
-        for agent_id, use in by_age:
-            if excess <= 0:
-                break
-            victims.append(agent_id)
-            excess -= use.num_bytes
-        return victims
+        files = {agent_id: (use.num_bytes, use.last_used) for agent_id, use in self.files.items()}
+        return self.policy.disk_victims(files, self.num_bytes - self.max_bytes, keep)

@@ -21,8 +21,10 @@ from loguru import logger
 
 from semantic.actors.agent_id import AgentId, InvalidAgentIdError
 from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.mailbox import Mailbox, reply_to
 from semantic.storage.agents_folder import (
     CONVERSATION_SUFFIX,
+    NEWER_FORMAT_DIR,
     SUFFIX,
     DiskEntry,
     adopt_conversations,
@@ -32,12 +34,14 @@ from semantic.storage.agents_folder import (
     read_and_touch,
     refuse_case_twin,
     scan_folder,
+    set_aside,
     unlink,
 )
-from semantic.storage.cache_file import CacheFileError, CacheIdentity, write_cache_file
+from semantic.storage.cache_file import CacheFileError, CacheIdentity, NewerCacheFileError, write_cache_file
 from semantic.storage.conversation_file import (
     ConversationFileError,
     ConversationRecord,
+    NewerConversationFileError,
     read_conversation,
     write_conversation,
 )
@@ -78,7 +82,7 @@ class PersistenceActor:
         self.disk_budget = DiskBudget(disk_budget_bytes)  # owned by the actor's task, as the index
         self.agents_dir = (cache_dir / "agents" / identity.fingerprint[:16]).resolve()
         self.quarantine_dir = (cache_dir / "quarantine").resolve()
-        self._mailbox: asyncio.Queue[tuple[PersistenceMessage, asyncio.Future[Any]]] = asyncio.Queue()
+        self._mailbox: Mailbox[PersistenceMessage] = Mailbox()  # unbounded: its callers are the server's own
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semantic-persist")
         self._task: asyncio.Task[None] | None = None
         self._index: dict[AgentId, DiskEntry] = {}  # owned by the actor's task
@@ -166,9 +170,7 @@ class PersistenceActor:
     async def _ask(self, message: PersistenceMessage) -> Any:
         if self._task is None or self._task.done():
             raise PersistenceStoppedError("the persistence actor is not running")
-        reply: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._mailbox.put_nowait((message, reply))
-        return await reply
+        return await self._mailbox.ask(message)
 
     async def _io(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -176,27 +178,26 @@ class PersistenceActor:
     # ---- the actor's task: the only code that reads or changes the index ----
 
     async def _run(self) -> None:
-        while await self._answer_next():
-            pass
-        while not self._mailbox.empty():
-            _, reply = self._mailbox.get_nowait()
-            if not reply.done():
-                reply.set_exception(PersistenceStoppedError("the persistence actor stopped"))
+        try:
+            while await self._answer_next():
+                pass
+        finally:  # what was asked after the stop fails, as what is asked from now on
+            self._mailbox.close(lambda: PersistenceStoppedError("the persistence actor stopped"))
 
     async def _answer_next(self) -> bool:
         """Take the next message and answer it; False once told to stop. Its own frame, so that
         nothing a message carried (a cache's arrays, read or written) stays referenced while the
         actor waits for the next one."""
-        message, reply = await self._mailbox.get()
+        envelope = await self._mailbox.get()
+        if envelope is None:
+            return False
         try:
-            result = await self._handle(message)
+            result = await self._handle(envelope.message)
         except Exception as error:
-            if not reply.done():
-                reply.set_exception(error)
+            reply_to(envelope.reply, error=error)
         else:
-            if not reply.done():
-                reply.set_result(result)
-        return not isinstance(message, StopPersistence)
+            reply_to(envelope.reply, result)
+        return not isinstance(envelope.message, StopPersistence)
 
     async def _handle(self, message: PersistenceMessage) -> Any:
         if isinstance(message, NAMES_ONE_AGENT):
@@ -312,7 +313,7 @@ class PersistenceActor:
         try:
             cache, digest = await self._io(read_and_touch, path, self.identity, agent_id)
         except CacheFileError as error:
-            await self._quarantine(agent_id, path, str(error))
+            await self._quarantine(agent_id, path, str(error), isinstance(error, NewerCacheFileError))
             return None
         except FileNotFoundError:
             entry.lose_cache()
@@ -330,12 +331,19 @@ class PersistenceActor:
                 read_conversation, path, self.identity.vocab_size
             )
         except ConversationFileError as error:
-            await self._quarantine(agent_id, path, str(error))
+            await self._quarantine(agent_id, path, str(error), isinstance(error, NewerConversationFileError))
             return None
         return record
 
-    async def _quarantine(self, agent_id: AgentId, path: Path, reason: str) -> None:
-        logger.warning("quarantining {} of agent {}: {}", path.name, agent_id, reason)
+    async def _quarantine(self, agent_id: AgentId, path: Path, reason: str, is_newer: bool = False) -> None:
+        """Move a file that cannot be used aside: to quarantine/, or, one of a newer format, to
+        newer-format/ (not corrupt: kept whole for the release that reads it)."""
+        if is_newer:
+            logger.warning(
+                "setting {} of agent {} aside in {}/: {}", path.name, agent_id, NEWER_FORMAT_DIR, reason
+            )
+        else:
+            logger.warning("quarantining {} of agent {}: {}", path.name, agent_id, reason)
         entry = self._index.get(agent_id)
         if entry is not None:
             if path.name.endswith(CONVERSATION_SUFFIX):
@@ -345,5 +353,7 @@ class PersistenceActor:
                 self.disk_budget.forget(agent_id)
             if not (entry.has_cache or entry.has_conversation):
                 del self._index[agent_id]
-        if await self._io(move_aside, path, self.quarantine_dir):
+        if is_newer:
+            await self._io(set_aside, path, self.quarantine_dir.parent / NEWER_FORMAT_DIR)
+        elif await self._io(move_aside, path, self.quarantine_dir):
             self.num_quarantined += 1

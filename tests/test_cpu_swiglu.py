@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from mlx_lm.models import activations
 
-from semantic.engine import cpu_kernels, cpu_swiglu
+from semantic.engine import cpu_swiglu
+from semantic.engine.mlx_adapter import model_hooks
 
 
 def test_swiglu_is_as_exact_as_mlx_lm_s_over_the_float_range() -> None:
@@ -36,7 +37,7 @@ def hooked(default_model_dir: Path) -> Any:
     from semantic.engine.loading import load_model
 
     load_model(str(default_model_dir))  # imports the llama module the hook goes into
-    assert cpu_kernels.install_kernel_hooks()
+    assert model_hooks.install_kernel_hooks()
     return llama.swiglu
 
 
@@ -49,7 +50,7 @@ def test_the_hook_uses_our_swiglu_for_float32_on_the_engine_thread_only(hooked: 
     results: dict[str, np.ndarray] = {}
 
     def engine_thread() -> None:
-        with cpu_kernels.cpu_kernels_on_this_thread():
+        with model_hooks.cpu_kernels_on_this_thread():
             results["float32"] = np.array(hooked(gate, x))
             half = hooked(gate.astype(mx.float16), x.astype(mx.float16))
             results["float16"] = np.array(half.astype(mx.float32))

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from semantic.engine.last_token_fold import FoldingBatchGenerator
 from semantic.engine.messages import Finished, TokenDelta
+from semantic.engine.mlx_adapter.last_token_fold import FoldingBatchGenerator
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
 from tests.batch_driver import chat, deliver, has_token, loop, outbox, runtime, steps_until_finished, submit

@@ -266,3 +266,44 @@ def test_mypy_uses_the_installed_py_typed(venv: Venv, outside: Path) -> None:
         f"expected exactly mypy's assignment error on check_typed.py line 5:\n{output}"
     )
     assert proc.returncode == 1, f"mypy exited with {proc.returncode}:\n{output}"
+
+
+def _dist_info_text(wheel: Path, name: str) -> str:
+    with zipfile.ZipFile(wheel) as archive:
+        dist_info = next(
+            n.split("/")[0] for n in archive.namelist() if n.split("/")[0].endswith(".dist-info")
+        )
+        return archive.read(f"{dist_info}/{name}").decode()
+
+
+def test_wheel_is_named_semantic_mlx_at_the_package_version(wheel: Path) -> None:
+    """`semantic` on PyPI is someone else's; ours is semantic-mlx, versioned by semantic.__version__."""
+    from semantic import __version__
+
+    metadata = _dist_info_text(wheel, "METADATA").splitlines()
+    assert "Name: semantic-mlx" in metadata and f"Version: {__version__}" in metadata, metadata[:5]
+    assert wheel.name == f"semantic_mlx-{__version__}-py3-none-any.whl"
+    assert "semantic = semantic.cli:main" in _dist_info_text(wheel, "entry_points.txt")
+
+
+def test_no_other_installed_distribution_ships_a_semantic_package() -> None:
+    from importlib.metadata import distributions
+
+    owners = set()
+    for dist in distributions():
+        top_level = (dist.read_text("top_level.txt") or "").split()
+        files = [str(path) for path in dist.files or []]
+        if "semantic" in top_level or any(path.startswith("semantic/") for path in files):
+            owners.add(dist.metadata["Name"])
+    assert owners <= {"semantic-mlx"}, f"these installed distributions also ship `semantic`: {owners}"
+
+
+@pytest.mark.skipif(os.name == "nt", reason="the venv's scripts are .exe files on Windows")
+def test_the_semantic_command_of_the_installed_wheel_runs(venv: Venv, outside: Path) -> None:
+    from semantic import __version__
+
+    proc = _run([venv.root / "bin" / "semantic", "--version"], outside, "semantic --version")
+    assert proc.stdout.strip() == f"semantic {__version__}"
+    probe = "import importlib.metadata as m, semantic; print(m.version('semantic-mlx'), semantic.__file__)"
+    installed, file = _run([venv.python, "-c", probe], outside, "metadata probe").stdout.split()
+    assert installed == __version__ and _inside(file, venv.site_packages)

@@ -1,4 +1,4 @@
-"""A prompt's last token prefilled with its last chunk (engine/last_token_fold.py), on the real model
+"""A prompt's last token prefilled with its last chunk (mlx_adapter/last_token_fold.py), on the real model
 stepped by hand: the same tokens as mlx-lm's own loop, one step sooner, cold and returning; and the
 head split refused where it would change the logits (tiny random-weight models from mlx-lm)."""
 
@@ -13,14 +13,14 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
 
-from semantic.engine.last_token_fold import (
+from semantic.engine.messages import Event, Finished, PromptStarted, TokenDelta
+from semantic.engine.mlx_adapter.last_token_fold import (
     FoldingBatchGenerator,
     fold_head,
     forked_sources_match,
     last_position_head,
     make_batch_generator,
 )
-from semantic.engine.messages import Event, Finished, PromptStarted, TokenDelta
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
 from tests.batch_driver import chat, loop, outbox, runtime, steps_until_finished

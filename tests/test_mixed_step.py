@@ -1,4 +1,4 @@
-"""Decode rows and a prompt chunk in one forward pass (engine/mixed_step.py, engine/mixing_generator.py).
+"""Decode rows and a prompt chunk in one forward pass (engine/mlx_adapter/mixed_step.py, mixing_generator.py).
 
 On the real model stepped by hand: a stream decodes while a cold prompt is prefilled beside it in
 chunks; with packed passes and with mlx-lm's two passes alike, both replies equal mlx-lm's own
@@ -20,18 +20,19 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache
 
-from semantic.engine import cpu_attention, cpu_kernels, mlx_seams
-from semantic.engine.batch_joins import JoiningBatchKVCache
-from semantic.engine.last_token_fold import forked_sources_match, last_position_head
+from semantic.engine import cpu_attention
 from semantic.engine.messages import Finished, PromptProgress, TokenDelta
-from semantic.engine.mixed_step import (
+from semantic.engine.mlx_adapter import generator_seams, model_hooks
+from semantic.engine.mlx_adapter.batch_joins import JoiningBatchKVCache
+from semantic.engine.mlx_adapter.last_token_fold import forked_sources_match, last_position_head
+from semantic.engine.mlx_adapter.mixed_step import (
     MixedForward,
     PackedLayerCache,
     _batch_caches,
     chunk_mask,
     mixed_forward_for,
 )
-from semantic.engine.mixing_generator import MixingBatchGenerator
+from semantic.engine.mlx_adapter.mixing_generator import MixingBatchGenerator
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
 from tests.batch_driver import chat, deliver, drain, loop, outbox, runtime, submit
@@ -74,7 +75,7 @@ def test_a_prompt_prefilled_beside_a_decoding_stream_gives_mlx_lm_s_tokens(
         deliver(runtime, outbox, loop)
         steps += 1
         assert steps < 20
-    processed_before = mlx_seams.num_prompt_tokens_processed(generator)
+    processed_before = generator_seams.num_prompt_tokens_processed(generator)
     mixed_before = getattr(generator, "num_mixed_steps", 0)
     prompt = submit(runtime, loop, cold, 6)
 
@@ -99,7 +100,7 @@ def test_a_prompt_prefilled_beside_a_decoding_stream_gives_mlx_lm_s_tokens(
     assert tokens(events["prompt"]) == runtime.reference_generate(cold, 6)
     assert decode_cache_types == {JoiningBatchKVCache}  # the prompt joined the stream's batch at one copy
     # The cold prompt went in chunks while the stream decoded, each token once (the fold counts the last).
-    assert mlx_seams.num_prompt_tokens_processed(generator) - processed_before == len(cold)
+    assert generator_seams.num_prompt_tokens_processed(generator) - processed_before == len(cold)
     progress = [e.num_processed for e in events["prompt"] if isinstance(e, PromptProgress)]
     assert len(progress) >= 3 and progress == sorted(progress)
     num_mixed = getattr(generator, "num_mixed_steps", 0) - mixed_before
@@ -134,7 +135,7 @@ def test_the_packed_pass_gives_the_two_passes_logits_and_caches_on_the_real_mode
     default_model_dir: Path,
 ) -> None:
     model, _ = load(str(default_model_dir))
-    cpu_kernels.install_kernel_hooks()
+    model_hooks.install_kernel_hooks()
     ours, theirs, ours_last, theirs_last = packed_against_two_passes(model)
     assert mx.allclose(ours, theirs, rtol=1e-4, atol=1e-4)
     assert mx.allclose(ours_last, theirs_last, rtol=1e-4, atol=1e-4)
@@ -143,12 +144,12 @@ def test_the_packed_pass_gives_the_two_passes_logits_and_caches_on_the_real_mode
 
 def test_other_architectures_pack_where_their_layers_allow(tiny_model_dirs: dict[str, Path]) -> None:
     qwen2, _ = load(str(tiny_model_dirs["qwen2"]))  # attention biases, tied embeddings
-    cpu_kernels.install_kernel_hooks()
+    model_hooks.install_kernel_hooks()
     ours, theirs, ours_last, theirs_last = packed_against_two_passes(qwen2)
     assert mx.allclose(ours, theirs, rtol=1e-4, atol=1e-4)
     assert mx.allclose(ours_last, theirs_last, rtol=1e-4, atol=1e-4)
     gemma3, _ = load(str(tiny_model_dirs["gemma3"]))  # sliding-window layers keep rotating caches
-    cpu_kernels.install_kernel_hooks()
+    model_hooks.install_kernel_hooks()
     assert mixed_forward_for(gemma3, last_position_head(gemma3)) is None
 
 
@@ -156,7 +157,7 @@ def test_the_load_probe_turns_packing_down_when_it_changes_the_results(
     tiny_model_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     qwen2, _ = load(str(tiny_model_dirs["qwen2"]))
-    cpu_kernels.install_kernel_hooks()
+    model_hooks.install_kernel_hooks()
     assert mixed_forward_for(qwen2, last_position_head(qwen2)) is not None
     packed = MixedForward.__call__
 

@@ -8,20 +8,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from semantic.engine import mlx_seams
 from semantic.engine.cache_spec import UnsupportedModelError
-from semantic.engine.mlx_seams import SeamError
+from semantic.engine.mlx_adapter import checks, generator_seams, model_hooks
+from semantic.engine.mlx_adapter.seam_check import SeamError
 
 
 def test_the_installed_mlx_lm_meets_every_assumption() -> None:
-    assert mlx_seams.check_version()
-    mlx_seams.check_seams()
+    assert checks.check_version()
+    checks.check_seams()
 
 
 def test_a_version_outside_the_written_range_is_reported() -> None:
-    assert mlx_seams.check_version("0.32.9")
-    assert not mlx_seams.check_version("0.33.0")
-    assert not mlx_seams.check_version("1.0")
+    assert checks.check_version("0.32.9")
+    assert not checks.check_version("0.33.0")
+    assert not checks.check_version("1.0")
 
 
 def test_a_generator_missing_an_attribute_fails_naming_it() -> None:
@@ -31,7 +31,7 @@ def test_a_generator_missing_an_attribute_fails_naming_it() -> None:
             self._generation_batch: list[object] = []
 
     with pytest.raises(SeamError, match="BatchGenerator has an attribute `_currently_processing`"):
-        mlx_seams.check_generator(StandIn())
+        generator_seams.check_generator(StandIn())
 
 
 def test_a_generator_whose_insert_lost_a_parameter_fails_naming_it() -> None:
@@ -43,14 +43,14 @@ def test_a_generator_whose_insert_lost_a_parameter_fails_naming_it() -> None:
         def extract_cache(self, uids: object) -> None: ...
 
     with pytest.raises(SeamError, match=r"BatchGenerator.insert_segments takes .*all_tokens"):
-        mlx_seams.check_generator(StandIn())
+        generator_seams.check_generator(StandIn())
 
 
 def test_a_changed_attention_signature_fails_naming_it() -> None:
     def scaled_dot_product_attention(queries: object, keys: object, values: object, scale: float) -> None: ...
 
     with pytest.raises(SeamError, match=r"scaled_dot_product_attention takes \(queries, keys, values, cache"):
-        mlx_seams.check_attention(scaled_dot_product_attention)
+        model_hooks.check_attention(scaled_dot_product_attention)
 
 
 def test_a_probe_that_raises_fails_naming_the_assumption_and_the_error() -> None:
@@ -58,7 +58,7 @@ def test_a_probe_that_raises_fails_naming_the_assumption_and_the_error() -> None
         _currently_processing = None
 
     with pytest.raises(SeamError, match=r"`_currently_processing` is an empty sized collection.*TypeError"):
-        mlx_seams.check_generator(StandIn())
+        generator_seams.check_generator(StandIn())
 
 
 def test_a_generator_that_no_longer_counts_prompt_tokens_fails_naming_it() -> None:
@@ -72,7 +72,7 @@ def test_a_generator_that_no_longer_counts_prompt_tokens_fails_naming_it() -> No
         def extract_cache(self, uids: object) -> None: ...
 
     with pytest.raises(SeamError, match=r"`_counters.prompt_tokens` counts prefilled tokens"):
-        mlx_seams.check_generator(StandIn())
+        generator_seams.check_generator(StandIn())
 
 
 @pytest.mark.parametrize(
@@ -92,6 +92,6 @@ def test_families_mlx_lm_cannot_batch_are_refused_with_the_reason(
 
     if refused:
         with pytest.raises(UnsupportedModelError, match=f"{config['model_type']} cannot decode in a batch"):
-            mlx_seams.check_batchable(StandIn())
+            checks.check_batchable(StandIn())
     else:
-        mlx_seams.check_batchable(StandIn())
+        checks.check_batchable(StandIn())

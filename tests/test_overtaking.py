@@ -12,10 +12,8 @@ import time
 import uuid
 from dataclasses import replace
 
-from semantic.engine import mlx_seams
 from semantic.engine.commands import Submit
 from semantic.engine.config import EngineConfig
-from semantic.engine.last_token_fold import FoldingBatchGenerator
 from semantic.engine.messages import (
     EventChannel,
     Finished,
@@ -24,6 +22,8 @@ from semantic.engine.messages import (
     PromptStarted,
     TokenDelta,
 )
+from semantic.engine.mlx_adapter import generator_seams
+from semantic.engine.mlx_adapter.last_token_fold import FoldingBatchGenerator
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
 from semantic.engine.sampling import SamplingParams
@@ -101,7 +101,7 @@ def test_a_short_turn_overtakes_a_long_prefill_which_then_carries_on_from_its_ca
     driver = Driver(runtime, outbox, loop, config)
     now = time.monotonic()
     long_submit, short_submit = queued(loop, long, 4, now), queued(loop, short, 4, now)
-    processed_before = mlx_seams.num_prompt_tokens_processed(runtime.batch._generator)
+    processed_before = generator_seams.num_prompt_tokens_processed(runtime.batch._generator)
 
     driver.add(long_submit)
     driver.tick(now)  # the long prompt goes in and prefills its first chunk
@@ -124,7 +124,7 @@ def test_a_short_turn_overtakes_a_long_prefill_which_then_carries_on_from_its_ca
     held_back = 0 if isinstance(runtime.batch._generator, FoldingBatchGenerator) else 1
     uncached_long = len(long) - driver.num_cached(long_submit)
     uncached_short = len(short) - driver.num_cached(short_submit)
-    processed = mlx_seams.num_prompt_tokens_processed(runtime.batch._generator) - processed_before
+    processed = generator_seams.num_prompt_tokens_processed(runtime.batch._generator) - processed_before
     assert processed == uncached_long - held_back + uncached_short - held_back
     progress = [e for _, e in driver.events[long_submit.request.request_id] if isinstance(e, PromptProgress)]
     done = [p.num_processed for p in progress]

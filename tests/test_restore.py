@@ -14,7 +14,8 @@ from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_spec import LayerKind, ModelCacheSpec
 from semantic.engine.cache_tensors import from_tensors, to_tensors
 from semantic.engine.errors import PoolExhaustedError
-from semantic.engine.layer_caches import BlockCodec, HistoryKVCache, attention_kv_of
+from semantic.engine.layer_caches import BlockCodec, attention_kv_of
+from semantic.engine.mlx_adapter.kv_seams import HistoryKVCache
 from semantic.storage.cache_file import CacheIdentity, read_cache_file, write_cache_file
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 2, 32, 16

@@ -1,5 +1,5 @@
-"""OpenAI's penalties and logit bias, vLLM's min_p and repetition penalty, through the OpenAI SDK:
-checked against mlx-lm's own generation with mlx-lm's own logits processors."""
+"""OpenAI's penalties and logit bias, vLLM's min_p and repetition penalty, mlx_lm.server's XTC,
+through the OpenAI SDK: checked against mlx-lm's own generation, logits processors and sampler."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
+
+from semantic import SamplingParams
+from semantic.engine.sampling import make_sampler
+from tests.agent_api_client import call
 
 DAYS = [{"role": "user", "content": "List the days of the week."}]
 NUM_TOKENS = 16
@@ -92,3 +97,52 @@ def test_min_p_of_one_samples_the_greedy_reply(server) -> None:  # type: ignore[
 def test_out_of_range_options_get_400s(server, options: dict[str, object], message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(openai.BadRequestError, match=message):
         ask(client_for(server), **options)
+
+
+# Known next-token probabilities: with XTC at threshold 0.15, tokens 0 and 1 are "top choices"
+# (above it, and likelier than token 2, the least likely above it), so they are dropped.
+PROBS = [0.4, 0.3, 0.2, 0.1]
+
+
+def drawn(sampler, num_draws: int = 100) -> set[int]:  # type: ignore[no-untyped-def]
+    logprobs = mx.log(mx.array([PROBS]))
+    return {int(sampler(logprobs).item()) for _ in range(num_draws)}
+
+
+def test_xtc_drops_the_top_choices_as_mlx_lm_s_sampler_does() -> None:
+    xtc = {"xtc_probability": 1.0, "xtc_threshold": 0.15}
+    ours = SamplingParams(temperature=1.0, seed=3, **xtc)  # type: ignore[arg-type]
+    mx.random.seed(3)
+    assert drawn(make_sampler(ours, len(PROBS))) == drawn(mlx_lm_sampler(1.0, **xtc)) == {2, 3}
+    kept = [0]  # the tokens XTC never drops (mlx_lm.server's: newline and EOS)
+    with_kept = drawn(mlx_lm_sampler(1.0, **xtc, xtc_special_tokens=kept))
+    assert drawn(make_sampler(ours, len(PROBS), xtc_kept_token_ids=kept)) == with_kept == {0, 2, 3}
+    never = SamplingParams(temperature=1.0, seed=3, xtc_probability=0.0, xtc_threshold=0.15)
+    assert drawn(make_sampler(never, len(PROBS))) == {0, 1, 2, 3}
+    above_all = SamplingParams(temperature=1.0, seed=3, xtc_probability=1.0, xtc_threshold=0.5)
+    assert drawn(make_sampler(above_all, len(PROBS))) == {0, 1, 2, 3}  # none is above 0.5: none dropped
+
+
+def test_xtc_changes_a_seeded_reply_and_repeats(server) -> None:  # type: ignore[no-untyped-def]
+    client = client_for(server)
+    seeded = {"temperature": 1.0, "seed": 5}
+    xtc = {**seeded, "extra_body": {"xtc_probability": 1.0, "xtc_threshold": 0.0}}  # all but the least likely
+    assert ask(client, **xtc) == ask(client, **xtc)  # one seed, one draw of each step's XTC coin
+    assert ask(client, **xtc) != ask(client, **seeded)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": DAYS}),
+        ("/v1/completions", {"prompt": "Monday, Tuesday,"}),
+        ("/v1/agents/xtc-check/messages", {"content": "Hello"}),
+    ],
+)
+def test_out_of_range_xtc_gets_400s_on_each_api(server, path: str, body: dict[str, object]) -> None:  # type: ignore[no-untyped-def]
+    for field, value, message in (
+        ("xtc_probability", 1.5, "xtc_probability must be in [0, 1], got 1.5"),
+        ("xtc_threshold", 0.6, "xtc_threshold must be in [0, 0.5], got 0.6"),
+    ):
+        status, reply = call(server, "POST", path, {**body, "max_tokens": 4, field: value})
+        assert status == 400 and message in str(reply), (path, field, reply)

@@ -13,8 +13,8 @@ import uuid
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from semantic.engine import mlx_seams
 from semantic.engine.messages import Finished, FinishReason, TokenDelta
+from semantic.engine.mlx_adapter import generator_seams
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
 from tests.batch_driver import chat, loop, outbox, runtime, steps_until_finished
@@ -51,7 +51,7 @@ def test_a_reply_that_reaches_its_limit_ends_with_exactly_that_many_tokens(
     finished = finished_of(steps_until_finished(runtime, outbox, loop, prompt, 7, agent_id))
     assert finished.reason is FinishReason.LENGTH
     assert len(finished.generated_token_ids) == 7
-    assert mlx_seams.num_generating(runtime.batch._generator) == 0  # taken out of the generator
+    assert generator_seams.num_generating(runtime.batch._generator) == 0  # taken out of the generator
     # The generator returns a token in the step that feeds it to the model: the cache holds all seven.
     assert_kept_cache_is_the_models(runtime, agent_id, [*prompt, *finished.generated_token_ids])
 

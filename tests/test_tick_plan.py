@@ -6,9 +6,9 @@ import asyncio
 import json
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given
@@ -42,12 +42,17 @@ submit_ops = st.builds(
     tick_plan.SubmitOp,
     request_id=texts,
     prompt_tokens=st.lists(st.integers(0, 2**31 - 1), max_size=50),
-    temperature=st.floats(0, 2),
-    top_p=st.floats(0.01, 1),
-    top_k=st.integers(0, 1000),
-    max_tokens=st.integers(1, 10**6),
-    stop=st.lists(texts, max_size=4),
-    seed=st.none() | st.integers(0, 2**63 - 1),
+    sampling=st.builds(
+        SamplingParams,
+        temperature=st.floats(0, 2),
+        top_p=st.floats(0.01, 1),
+        top_k=st.integers(0, 1000),
+        max_tokens=st.integers(1, 10**6),
+        stop=st.lists(st.text(min_size=1, max_size=20), max_size=4).map(tuple),
+        seed=st.none() | st.integers(0, 2**64 - 1),
+        min_p=st.floats(0, 1),
+        logit_bias=st.lists(st.tuples(st.integers(0, 10**6), st.floats(-100, 100)), max_size=4).map(tuple),
+    ),
     queued_at=st.floats(0, 1e9),
     agent_id=maybe_texts,
     cache_salt=maybe_texts,
@@ -83,14 +88,14 @@ def _submit(sampling: SamplingParams, agent_id: str | None = "ada", continues_te
 def test_a_sampled_request_gets_one_seed_on_every_rank() -> None:
     submit = _submit(SamplingParams(temperature=0.7, top_p=1.0, top_k=0))
     op = tick_plan.op_for(submit)
-    assert isinstance(op, tick_plan.SubmitOp) and op.seed is not None
-    assert submit.request.sampling.seed == op.seed  # rank 0's own request draws with the same seed
+    assert isinstance(op, tick_plan.SubmitOp) and op.sampling.seed is not None
+    assert submit.request.sampling.seed == op.sampling.seed  # rank 0's own request draws with the same seed
     assert tick_plan.request_of(op).sampling == submit.request.sampling
     assert op.queued_at == 12.5  # admission order follows rank 0's clock on every rank
 
     greedy = _submit(SamplingParams(temperature=0.0, top_p=1.0, top_k=0))
     greedy_op = tick_plan.op_for(greedy)
-    assert isinstance(greedy_op, tick_plan.SubmitOp) and greedy_op.seed is None
+    assert isinstance(greedy_op, tick_plan.SubmitOp) and greedy_op.sampling.seed is None
 
 
 def test_penalties_logit_bias_and_continued_text_reach_the_other_ranks() -> None:
@@ -111,7 +116,7 @@ def test_penalties_logit_bias_and_continued_text_reach_the_other_ranks() -> None
     (received,) = plan.ops
     assert isinstance(received, tick_plan.SubmitOp)
     request = tick_plan.request_of(received)
-    assert request.sampling == replace(sampling, top_logprobs=None)
+    assert request.sampling == msgspec.structs.replace(sampling, top_logprobs=None)
     assert request.continues_text  # where stop strings match depends on it: every rank must agree
 
 

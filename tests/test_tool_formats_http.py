@@ -83,11 +83,7 @@ class ReplayedReplies:
         is_cut = text_stream.stop_hit is None and turn.sampling.max_tokens < len(reply_ids)
         reason = FinishReason.LENGTH if is_cut else FinishReason.STOP
         channel.put(Finished(reason, text_stream.stop_hit, len(prompt.token_ids), 0, num_generated))
-        committed = loop.create_future()
-        committed.set_result(None)
-        return TurnStarted(
-            RequestStream(request, channel, lambda _: None), prompt, family.key, None, committed
-        )
+        return TurnStarted(RequestStream(request, channel, lambda _: None), prompt, family.key, None)
 
 
 @pytest.fixture(scope="module")

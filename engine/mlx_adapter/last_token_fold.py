@@ -30,7 +30,7 @@ from loguru import logger
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import make_prompt_cache
 
-from semantic.engine.batch_joins import JoiningBatchKVCache
+from semantic.engine.mlx_adapter.batch_joins import JoiningBatchKVCache
 
 # SHA-256 of the sources this module's `_next` and the logits hand-over were written against
 # (mlx-lm 0.32.2): `BatchGenerator._next` and `GenerationBatch._step`.

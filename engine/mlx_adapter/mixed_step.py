@@ -9,12 +9,13 @@ Here the two are one pass, as vLLM and SGLang schedule them. Every token is its 
 model's per-token layers (embedding, norms, projections, MLP, head) see one matrix of B + C rows;
 only attention is per group. Each layer's cache is a `PackedLayerCache`: its offsets put every row
 at its own position for RoPE, it writes the decode rows into the batch's cache and the chunk's rows
-into the prompt's, and the model's `scaled_dot_product_attention` (hooked in `cpu_kernels.py`)
+into the prompt's, and the model's `scaled_dot_product_attention` (hooked in `model_hooks.py`)
 attends each group apart, with the masks both would have had on their own.
 
 Models are packed only where, on a probe at load, the packed pass gives what the two passes give:
 logits and caches (`mixed_forward_for`); a model whose attention reads its cache in other ways, or
-whose layers keep other caches, keeps mlx-lm's two passes.
+whose layers keep other caches, keeps mlx-lm's two passes. Written against mlx-lm 0.32.2: the pass
+hands the model's layers a cache object of ours, relying on how its models call their caches.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import mlx.core as mx
 from loguru import logger
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
-from semantic.engine.last_token_fold import LastPositionHead
+from semantic.engine.mlx_adapter.last_token_fold import LastPositionHead
 
 # Two decoding sequences of different lengths (so the batch is left-padded) and a prompt with history.
 PROBE_DECODE_HISTORIES = [[1, 2, 3], [4, 5, 6, 7, 8]]

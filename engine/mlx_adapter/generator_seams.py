@@ -1,94 +1,20 @@
-"""Where semantic relies on mlx-lm beyond its documented API, each with a check: BatchGenerator's
-internals and its responses, and the attention function's signature here; the KV caches'
-internals in `kv_seams.py`.
+"""BatchGenerator's internals that the batch reads (is a prompt still prefilling, how many
+sequences decode, the prefill chunk, tokens prefilled, first tokens), and the fields of `next()`'s
+responses, each with a check that `checks.check_seams` runs at load.
 
-Written for mlx-lm 0.32.x. At each model load the engine warns if the installed mlx-lm is outside
-that range and runs `check_seams`, which fails naming the assumption that broke: an mlx-lm upgrade
-then stops the load instead of quietly changing the batch's behaviour.
+Written against mlx-lm 0.32.2: its BatchGenerator has no public way to ask these.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-import mlx_lm
-from loguru import logger
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models import base
 
-from semantic.engine.cache_spec import UnsupportedModelError
-from semantic.engine.kv_seams import check_kv_seams
-from semantic.engine.seam_check import WRITTEN_FOR, generate_module, require
-from semantic.engine.seam_check import SeamError as SeamError
-
-ATTENTION_PARAMETERS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
-
-
-def check_version(version: str = mlx_lm.__version__) -> bool:
-    """Warn if mlx-lm is outside the range these seams were written for; True if inside."""
-    try:
-        inside = tuple(int(part) for part in version.split(".")[:2]) == WRITTEN_FOR
-    except ValueError:
-        inside = False
-    if not inside:
-        logger.warning(
-            "mlx-lm {} is installed; semantic was written for {}.{}.x and checks its assumptions now",
-            version,
-            *WRITTEN_FOR,
-        )
-    return inside
-
-
-# Model families whose mlx-lm code cannot run in a batch (mlx-lm's own BatchGenerator fails the same
-# way), with why: refused at load, since a batch is how semantic runs every request.
-UNBATCHABLE_FAMILIES = {
-    "gemma2": (
-        "mlx-lm's gemma2 attention applies a batch's mask (one row a sequence) to scores grouped by KV "
-        "head: three sequences fail to broadcast, and two sequences with two KV heads mix each other's "
-        "masks"
-    ),
-    "gpt_bigcode": (
-        "mlx-lm's gpt_bigcode reads its cache's offset as one number for its learned positions; a batch "
-        "has one offset a sequence"
-    ),
-}
-
-
-def check_batchable(model: Any) -> None:
-    """Raise UnsupportedModelError for a model of a family mlx-lm cannot batch."""
-    family = str(
-        getattr(getattr(model, "args", None), "model_type", None) or getattr(model, "model_type", "")
-    )
-    reason = UNBATCHABLE_FAMILIES.get(family)
-    if reason is not None and (family != "gemma2" or _groups_heads(model)):
-        raise UnsupportedModelError(f"{family} cannot decode in a batch: {reason}")
-
-
-def _groups_heads(model: Any) -> bool:
-    """Whether the model's attention groups query heads onto fewer KV heads (gemma2's broken path)."""
-    args = getattr(model, "args", None)
-    heads, kv_heads = getattr(args, "num_attention_heads", 0), getattr(args, "num_key_value_heads", 0)
-    return bool(heads and kv_heads and heads != kv_heads)
-
-
-def check_seams(model: Any = None) -> None:
-    """Verify every assumption below against the installed mlx-lm; raises SeamError naming one that fails.
-
-    `model` builds the probe BatchGenerator (the engine passes the model it is loading).
-    """
-    generator = BatchGenerator(model)
-    try:
-        check_generator(generator)
-    finally:
-        generator.close()
-    check_attention(base.scaled_dot_product_attention)
-    check_kv_seams()
-    check_responses()
-
+from semantic.engine.mlx_adapter.seam_check import generate_module, require
 
 # ---- BatchGenerator internals: whether a prompt batch is still prefilling, and its batch size ----
 
@@ -187,13 +113,3 @@ def check_responses() -> None:
             getattr(getattr(generate_module, owner, None), "Response", None),
             fields,
         )
-
-
-# ---- the CPU kernels' hooks (engine/cpu_kernels.py) replace mlx-lm's attention by its signature ----
-
-
-def check_attention(function: Callable[..., Any]) -> None:
-    require(
-        f"mlx_lm.models.base.scaled_dot_product_attention takes ({', '.join(ATTENTION_PARAMETERS)})",
-        lambda: tuple(inspect.signature(function).parameters) == ATTENTION_PARAMETERS,
-    )

@@ -1,9 +1,11 @@
-"""mlx-lm's KV cache internals that semantic relies on, each with a check (run by `check_seams`).
+"""mlx-lm's KV cache internals that semantic relies on, each with a check (run by `check_seams`);
+written against mlx-lm 0.32.2.
 
 A running sequence's cache read as views into the batch's arrays (not `extract_cache`'s copy of the
 whole sequence; a sliding or recurrent layer, bounded in size, through its own `extract`), a batch
 cache built over an agent's own arrays (not `merge`'s copy), and the `state` layouts that the
-agent cache builds caches from and `cache_tensors` writes out.
+agent cache builds caches from and `cache_tensors` writes out. `HistoryKVCache` takes over the
+merge of a lone prompt's rebuilt history.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from semantic.engine.batch_joins import JoiningBatchKVCache, check_joins_match_mlx_lm
-from semantic.engine.seam_check import generate_module, require
+from semantic.engine.mlx_adapter.batch_joins import JoiningBatchKVCache, check_joins_match_mlx_lm
+from semantic.engine.mlx_adapter.seam_check import generate_module, require
 
 # The batch caches whose arrays `cache_views` can read: mlx-lm's, and the decode batch's own.
 PLAIN_BATCH_CACHES = (BatchKVCache, JoiningBatchKVCache)
@@ -188,3 +190,24 @@ def check_batch_cache_takeover() -> None:
         "hands its arrays over through it)",
         lambda: ".merge([c[i] for c in caches])" in inspect.getsource(generate_module._merge_caches),
     )
+
+
+class HistoryKVCache(KVCache):
+    """A turn's full-attention layer rebuilt from pool blocks, with room after its history for the
+    turn's new tokens.
+
+    mlx-lm merges a prompt batch's caches into a `BatchKVCache` by copying each one, and the copy has
+    no room, so the first chunk copies it all again to grow it. A lone prompt (the CPU prefills one
+    at a time) hands its arrays to the batch cache instead: the history is copied once, out of the
+    blocks, and the prefill writes into the room in place. The cache is empty after the hand-over.
+    """
+
+    @classmethod
+    def merge(cls, caches: list[Any]) -> Any:
+        if len(caches) != 1 or caches[0].keys is None:
+            return BatchKVCache.merge(caches)
+        (cache,) = caches
+        batch = batch_cache_over(cache)
+        cache.keys = cache.values = None  # the batch cache's alone, so MLX may update it in place
+        cache.offset = 0
+        return batch

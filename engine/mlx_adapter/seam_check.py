@@ -1,4 +1,4 @@
-"""How the seams (engine/mlx_seams.py, kv_seams.py) check an assumption, and the module they read."""
+"""How the adapter's seams check an assumption about mlx-lm, and the module they read."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx_lm
 
-WRITTEN_FOR = (0, 32)  # mlx-lm 0.32.x
+WRITTEN_FOR = (0, 32)  # mlx-lm 0.32.x (every seam was written against 0.32.2)
 # The module, not the `mlx_lm.generate` function that the package exports under the same name.
 generate_module = importlib.import_module("mlx_lm.generate")
 
@@ -26,5 +26,5 @@ def require(assumption: str, holds: Callable[..., bool], *args: Any) -> None:
     if not ok:
         raise SeamError(
             f"mlx-lm {mlx_lm.__version__} breaks an assumption semantic relies on: {assumption}{detail}; "
-            f"written for mlx-lm {WRITTEN_FOR[0]}.{WRITTEN_FOR[1]}.x, see engine/mlx_seams.py, kv_seams.py"
+            f"written for mlx-lm {WRITTEN_FOR[0]}.{WRITTEN_FOR[1]}.x, see engine/mlx_adapter/"
         )

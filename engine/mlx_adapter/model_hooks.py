@@ -1,5 +1,6 @@
 """Hooks into mlx-lm's model modules, which call module globals (`scaled_dot_product_attention`,
-`swiglu`, `create_causal_mask`) that we replace.
+`swiglu`, `create_causal_mask`) that we replace: written against mlx-lm 0.32.2, whose models call
+these by their module-level names (and the attention by its signature, checked at load).
 
 Attention is hooked on every backend, for one reason everywhere: a packed pass (`mixed_step.py`)
 hands it a `PackedLayerCache`, and each group is attended apart. On the CPU the hooks also use our
@@ -20,6 +21,7 @@ applied whole.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 import threading
@@ -33,7 +35,10 @@ from loguru import logger
 from mlx_lm.models import activations, base
 
 from semantic.engine import cpu_attention, cpu_swiglu
-from semantic.engine.mixed_step import PackedLayerCache, packed_attention
+from semantic.engine.mlx_adapter.mixed_step import PackedLayerCache, packed_attention
+from semantic.engine.mlx_adapter.seam_check import require
+
+ATTENTION_PARAMETERS = ("queries", "keys", "values", "cache", "scale", "mask", "sinks")
 
 _engine_thread = threading.local()
 
@@ -171,3 +176,15 @@ def install_kernel_hooks() -> bool:
         masks = _causal_mask_hook(base.create_causal_mask)
         _install("create_causal_mask", base.create_causal_mask, masks, base, "causal masks told apart")
     return cpu_kernels
+
+
+def check_model_hooks() -> None:
+    check_attention(base.scaled_dot_product_attention)
+
+
+def check_attention(function: Callable[..., Any]) -> None:
+    """The attention hook takes the place of mlx-lm's by its signature."""
+    require(
+        f"mlx_lm.models.base.scaled_dot_product_attention takes ({', '.join(ATTENTION_PARAMETERS)})",
+        lambda: tuple(inspect.signature(function).parameters) == ATTENTION_PARAMETERS,
+    )

@@ -6,7 +6,8 @@ generator runs both as one packed pass and hands each side its logits: the decod
 mlx-lm's own `GenerationBatch` step (sampling, logits processors and grammars are mlx-lm's), the
 prompt's chunk by the same bookkeeping as mlx-lm's prefill, or, when the chunk ends the prompt, by
 the fold's hand-over to the decode batch. Any other step (nothing decoding, several prompts, a
-prompt down to mlx-lm's lone last token) is the folding generator's.
+prompt down to mlx-lm's lone last token) is the folding generator's. Subclasses mlx-lm 0.32.2's
+BatchGenerator through the folding one, and reads the same internals its fork does.
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 
-from semantic.engine.last_token_fold import (
+from semantic.engine.mlx_adapter.last_token_fold import (
     FoldingBatchGenerator,
     GivenLogits,
     LastPositionHead,
     fold_head,
     make_batch_generator,
 )
-from semantic.engine.mixed_step import MixedForward, mixed_forward_for
+from semantic.engine.mlx_adapter.mixed_step import MixedForward, mixed_forward_for
 
 
 class GeneratorFactory:
