@@ -157,16 +157,17 @@ class Scheduler:
         prompt, salt, agent_id = request.prompt_tokens, request.cache_salt, request.agent_id
         num_tokens = len(prompt) + request.sampling.max_tokens
         agent = store.agents.get(agent_id) if agent_id is not None else None
+        num_reusable = store.num_reusable(agent_id, prompt, salt)
         reused = 0
         # The agent's full blocks the request starts from stay with the cache while it runs, and its
         # reply's cache shares them (same salt): they need no reservation.
         if agent is not None and not agent.num_running and agent.salt == salt:
-            reused = store.num_reusable(agent_id, prompt, salt) // store.spec.block_size
+            reused = num_reusable // store.spec.block_size
         pins = agent_id if agent_id is not None else store.find_anonymous(prompt, salt)
         return WaitingEntry(
             position,
             submit.queued_at,
-            len(prompt) - store.num_reusable(agent_id, prompt, salt),
+            len(prompt) - num_reusable,
             runtime.loaded.spec.num_blocks_reserved(num_tokens),
             reused,
             agent_id,

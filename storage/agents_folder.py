@@ -63,6 +63,20 @@ def adopt_conversations(legacy_dir: Path, agents_dir: Path) -> int:
     return moved
 
 
+def agent_file_named(name: str) -> tuple[AgentId, bool] | None:
+    """The agent a file in an agents folder belongs to, and whether it is its cache (else its
+    conversation); None for any other name (a temp file, a name no agent id can spell)."""
+    if is_temp_name(name):
+        return None
+    for suffix, is_cache in ((SUFFIX, True), (CONVERSATION_SUFFIX, False)):
+        if name.endswith(suffix):
+            try:
+                return AgentId(name.removesuffix(suffix)), is_cache
+            except InvalidAgentIdError:
+                return None
+    return None
+
+
 def scan_folder(agents_dir: Path) -> tuple[dict[AgentId, DiskEntry], dict[AgentId, CacheFileUse]]:
     """Worker thread, at start: index the folder (and its cache files' sizes and last uses) and
     remove the temp files and staging folders a crash left behind, which the disk budget counts
@@ -78,21 +92,17 @@ def scan_folder(agents_dir: Path) -> tuple[dict[AgentId, DiskEntry], dict[AgentI
             num_freed_bytes += remove_temp(path)
             num_removed += 1
             continue
-        for suffix in (SUFFIX, CONVERSATION_SUFFIX):
-            if not name.endswith(suffix):
-                continue
-            try:
-                agent_id = AgentId(name.removesuffix(suffix))
-            except InvalidAgentIdError:
-                break
-            entry = index.setdefault(agent_id, DiskEntry())
-            if suffix == SUFFIX:
-                entry.holds_cache(*read_stated_tokens(path))
-                stat = path.stat()
-                uses[agent_id] = CacheFileUse(stat.st_size, stat.st_mtime)
-            else:
-                entry.has_conversation = True
-            break
+        named = agent_file_named(name)
+        if named is None:
+            continue
+        agent_id, is_cache = named
+        entry = index.setdefault(agent_id, DiskEntry())
+        if is_cache:
+            entry.holds_cache(*read_stated_tokens(path))
+            stat = path.stat()
+            uses[agent_id] = CacheFileUse(stat.st_size, stat.st_mtime)
+        else:
+            entry.has_conversation = True
     if num_removed:
         logger.info(
             "removed {} temp files left by interrupted writes: {:.1f} MiB freed",

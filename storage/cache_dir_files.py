@@ -20,6 +20,7 @@ from semantic.storage.agents_folder import (
     CONVERSATION_SUFFIX,
     NEWER_FORMAT_DIR,
     SUFFIX,
+    agent_file_named,
     move_aside,
     quarantined_at,
     remove_temp,
@@ -96,19 +97,15 @@ def model_folders(cache_dir: Path) -> Iterator[Path]:
 def agents_in(folder: Path) -> dict[AgentId, AgentFiles]:
     found: dict[AgentId, AgentFiles] = {}
     for path in sorted(folder.iterdir()):
-        for suffix in (SUFFIX, CONVERSATION_SUFFIX):
-            if not path.name.endswith(suffix) or is_temp_name(path.name):
-                continue
-            try:
-                agent_id = AgentId(path.name.removesuffix(suffix))
-            except InvalidAgentIdError:
-                break
-            files = found.setdefault(agent_id, AgentFiles(agent_id, folder))
-            if suffix == SUFFIX:
-                files.has_cache = True
-            else:
-                files.has_conversation = True
-            break
+        named = agent_file_named(path.name)
+        if named is None:
+            continue
+        agent_id, is_cache = named
+        files = found.setdefault(agent_id, AgentFiles(agent_id, folder))
+        if is_cache:
+            files.has_cache = True
+        else:
+            files.has_conversation = True
     return found
 
 
