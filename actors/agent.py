@@ -35,10 +35,13 @@ from semantic.actors.agent_messages import (
     OpenConversation,
     StartTurn,
 )
+from semantic.actors.cache_miss import CacheReport, RequestDigest, TurnNote, history_of
+from semantic.actors.cache_notes import CacheNotes, explain_turn
 from semantic.actors.history_marks import HistoryMark, HistoryMarks
 from semantic.actors.kept_conversation import KeptConversation
 from semantic.actors.model_session import ModelSession
 from semantic.actors.models import ModelHost
+from semantic.actors.restore_cost import RestoreCosts, RestoreDecision, Totals
 from semantic.actors.turn_prompt import build_request
 from semantic.actors.turns import (
     PreparedPrompt,
@@ -65,9 +68,13 @@ class AgentActor:
         idle_s: float = 60.0,
         max_prompt_tokens: int | None = None,
         marks: HistoryMarks | None = None,
+        cache_notes: CacheNotes | None = None,
+        restore_costs: RestoreCosts | None = None,
     ) -> None:
         self.agent_id = agent_id
         self._marks = marks if marks is not None else HistoryMarks()  # shared by the system's actors
+        self._cache_notes = cache_notes if cache_notes is not None else CacheNotes()  # shared too
+        self._restore_costs = restore_costs if restore_costs is not None else RestoreCosts()  # shared too
         self._engine = engine
         self._models = models
         self._on_exit = on_exit
@@ -170,16 +177,21 @@ class AgentActor:
                 prompt, request = await build_request(
                     self._models, session, conversation, turn, self.max_prompt_tokens
                 )
+                kept = conversation.token_ids if conversation is not None else None
+                explaining = (self._models, session, self._cache_notes, self.agent_id, kept, turn, prompt)
+                cache, digest = await explain_turn(*explaining)  # before the submit: headers go first
                 is_fork = conversation is None and self._is_side_request(session, prompt)
                 # A fork leaves this agent's cache alone: the engine matches it by content or starts one.
                 request.agent_id = None if is_fork else self.agent_id
-                stream = await self._submit(session, request, turn.cache_salt)
+                stream, restore = await self._submit(session, request, turn.cache_salt)
                 if is_fork:
-                    return self._answer_fork(reply, session, prompt, stream)
+                    return self._answer_fork(reply, session, prompt, stream, cache, restore)
                 if self._deleted is not None:  # deleted while this turn was being prepared
                     stream.fail(self._deleted)
                 committing.enter_context(self._models.committing())  # files stay open until saved
-            await self._finish_turn(turn, reply, session, conversation, prompt, stream)
+            await self._finish_turn(
+                turn, reply, session, conversation, prompt, stream, (cache, digest), restore
+            )
 
     async def _finish_turn(
         self,
@@ -189,12 +201,16 @@ class AgentActor:
         conversation: ConversationRecord | None,
         prompt: PreparedPrompt,
         stream: RequestStream,
+        cache: tuple[CacheReport, RequestDigest | None],
+        restore: RestoreDecision | None,
     ) -> None:
         stream.hold_final()  # the reader gets Finished only once this turn is committed
         if reply.done():  # the asker left (a client that disconnected) before the turn started
             stream.cancel()
         else:
-            reply.set_result(TurnStarted(stream, prompt, session.loaded.name, self.agent_id))
+            reply.set_result(
+                TurnStarted(stream, prompt, session.loaded.name, self.agent_id, cache[0], restore)
+            )
         # The next message waits until this turn is done (and, for a kept conversation, durable).
         self._running = stream
         try:
@@ -202,7 +218,7 @@ class AgentActor:
             if conversation is not None and isinstance(final, Finished):
                 await self._conversation.commit(session, prompt, final)
             elif isinstance(final, Finished) and final.reason is not FinishReason.CANCELLED:
-                self._mark_history(session, prompt, final)
+                self._mark_history(session, prompt, final, cache[1])
         except Exception as error:
             logger.error("agent {}: turn {} not committed: {}", self.agent_id, turn.request_id, error)
             stream.finish(error)  # the reader's last event: the turn is not acknowledged
@@ -228,57 +244,86 @@ class AgentActor:
         return True
 
     def _answer_fork(
-        self, reply: asyncio.Future[Any], session: ModelSession, prompt: PreparedPrompt, stream: RequestStream
+        self,
+        reply: asyncio.Future[Any],
+        session: ModelSession,
+        prompt: PreparedPrompt,
+        stream: RequestStream,
+        cache: CacheReport,
+        restore: RestoreDecision | None,
     ) -> None:
         """Hand over a side request without waiting for its end: it leaves this agent's cache alone."""
         if reply.done():  # the asker left before the turn started
             stream.cancel()
             return
-        reply.set_result(TurnStarted(stream, prompt, session.loaded.name, self.agent_id))
+        reply.set_result(TurnStarted(stream, prompt, session.loaded.name, self.agent_id, cache, restore))
 
-    def _mark_history(self, session: ModelSession, prompt: PreparedPrompt, final: Finished) -> None:
+    def _mark_history(
+        self, session: ModelSession, prompt: PreparedPrompt, final: Finished, digest: RequestDigest | None
+    ) -> None:
         if self.agent_id is not None:
-            mark = HistoryMark.of_turn(
-                session.loaded.fingerprint, prompt.token_ids, final.num_generated_tokens
-            )
+            fingerprint = session.loaded.fingerprint
+            mark = HistoryMark.of_turn(fingerprint, prompt.token_ids, final.num_generated_tokens)
             self._marks.record(self.agent_id, mark)
+            history = history_of(prompt.token_ids, final.generated_token_ids)
+            self._cache_notes.record(self.agent_id, TurnNote(fingerprint, history, digest))
 
     async def _submit(
         self, session: ModelSession, request: GenerationRequest, cache_salt: str | None
-    ) -> RequestStream:
+    ) -> tuple[RequestStream, RestoreDecision | None]:
         """Submit the turn, behind the agent's cache if that has to be read from disk (the engine
-        thread takes its messages in order), then settle the restore's answer."""
-        restoring = await self._send_cache_from_disk(session, cache_salt)
+        thread takes its messages in order), then settle the restore's answer; with the restore's
+        decision where one was made."""
+        restoring, decision = await self._send_cache_from_disk(session, request.request_id, cache_salt)
         try:
-            return self._engine.submit(request)
+            return self._engine.submit(request), decision
         finally:
             if restoring is not None:
                 await self._settle_restore(session, restoring)
 
     async def _send_cache_from_disk(
-        self, session: ModelSession, cache_salt: str | None
-    ) -> asyncio.Future[bool] | None:
-        """If the agent's cache is on disk and not in memory, read it and send it to the engine; the
-        answer comes later (`_settle_restore`), so the turn's submit follows without waiting for a
-        tick to end: the engine thread takes its messages in order, the restore first."""
+        self, session: ModelSession, request_id: str, cache_salt: str | None
+    ) -> tuple[asyncio.Future[bool] | None, RestoreDecision | None]:
+        """If the agent's cache is on disk and not in memory, and reading it is estimated cheaper
+        than computing it (restore_cost.py), read it and send it to the engine; the answer comes
+        later (`_settle_restore`), so the turn's submit follows without waiting for a tick to end:
+        the engine thread takes its messages in order, the restore first. Computing it, the turn
+        goes in without it and the engine prefills the history; the file stays, the agent's still."""
         persistence, agent_id = session.persistence, self.agent_id
         if persistence is None or agent_id is None:
-            return None
+            return None, None
         # Both read without a message (an ask waits for the engine thread's tick to end, seconds on
         # a CPU under load): whether the engine serves the turn's model, and holds its cache already.
         fingerprint, serving = session.loaded.fingerprint, self._engine.loaded
         if serving is None or serving.fingerprint != fingerprint:
-            return None  # another model was loaded meanwhile: no cache of this one to restore
+            return None, None  # another model was loaded meanwhile: no cache of this one to restore
         if self._engine.holds_cache(agent_id, fingerprint):
-            return None
+            return None, None
+        on_disk = await persistence.describe_cache(agent_id)
+        if on_disk is None:
+            return None, None
+        costs, stats = self._restore_costs, self._engine.stats
+        reads = Totals(persistence.num_read_bytes, persistence.read_s_total)
+        costs.learn(persistence, reads, stats.prefill_token_s)
+        decision = costs.decide(on_disk.num_bytes, on_disk.num_tokens)
+        logger.info(
+            "agent {} turn {}: {}; {} tokens, {:.1f} MiB",
+            agent_id,
+            request_id,
+            decision,
+            on_disk.num_tokens,
+            on_disk.num_bytes / 2**20,
+        )
+        if not decision.reads:
+            return None, decision
         cache = await persistence.load(agent_id)
         if cache is None:
-            return None
+            return None, decision
         try:
-            return self._engine.send(RestoreCache(cache, fingerprint, cache_salt))
+            return self._engine.send(RestoreCache(cache, fingerprint, cache_salt)), decision
         except EngineError as error:  # the engine stopping: the submit says so
             logger.info("agent {}: cache not restored ({})", agent_id, error)
-            return None
+            return None, decision
 
     async def _settle_restore(self, session: ModelSession, restoring: asyncio.Future[bool]) -> None:
         """The engine's answer to a restore: a file it could not take is quarantined; without room
@@ -344,6 +389,7 @@ class AgentActor:
         existed = await self._exists()
         self._conversation.forget()
         self._marks.forget(self.agent_id)
+        self._cache_notes.forget(self.agent_id)
         if self._engine.loaded is not None:
             await self._engine.ask(DropCache(self.agent_id))
         persistence = self._models.persistence

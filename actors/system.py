@@ -17,9 +17,11 @@ from pathlib import Path
 from semantic.actors.agent import AgentActor
 from semantic.actors.agent_id import AgentId
 from semantic.actors.agent_messages import EvictCache, IfExists, OpenConversation, StartTurn
+from semantic.actors.cache_notes import CacheNotes
 from semantic.actors.handle import AgentHandle
 from semantic.actors.history_marks import HistoryMarks
 from semantic.actors.models import ModelHost
+from semantic.actors.restore_cost import RestoreCosts
 from semantic.actors.turns import PromptBound, TurnRequest, TurnStarted, prepare_stateless
 from semantic.engine.cache_matching import is_anonymous
 from semantic.engine.commands import ListCaches
@@ -56,7 +58,9 @@ class AgentInfo:
 
 
 class AgentSystem:
-    def __init__(self, config: SystemConfig) -> None:
+    def __init__(self, config: SystemConfig, restore_costs: RestoreCosts | None = None) -> None:
+        """`restore_costs`: the learnt rates that decide whether a returning agent's cache is read or
+        computed (restore_cost.py); None learns them from scratch (tests pass fixed ones)."""
         self.config = config
         registry = ModelRegistry(
             [ModelEntry.from_source(config.engine.model, config.engine.model_name), *config.extra_models],
@@ -76,6 +80,8 @@ class AgentSystem:
         self._agents: dict[AgentId, AgentActor] = {}
         self._anonymous: set[AgentActor] = set()
         self._marks = HistoryMarks()  # outlives actors that idle out, so side requests still fork
+        self.cache_notes = CacheNotes()  # why turns missed the cache: outlives actors, read by the API
+        self.restore_costs = restore_costs if restore_costs is not None else RestoreCosts()
         self._group: asyncio.TaskGroup | None = None
 
     @property
@@ -129,6 +135,8 @@ class AgentSystem:
             idle_s=self.config.actor_idle_s,
             max_prompt_tokens=self.config.max_prompt_tokens,
             marks=self._marks,
+            cache_notes=self.cache_notes,
+            restore_costs=self.restore_costs,
         )
         if agent_id is None:
             self._anonymous.add(actor)

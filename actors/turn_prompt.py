@@ -15,6 +15,7 @@ from semantic.actors.turns import (
     prepare_continuation,
     prepare_stateless,
 )
+from semantic.engine.cache_pins import block_aligned
 from semantic.engine.messages import GenerationRequest
 from semantic.heap import give_memory_back
 from semantic.storage.conversation_file import ConversationRecord
@@ -62,6 +63,7 @@ async def build_request(
         cache_salt=turn.cache_salt,
         continues_text=prompt.is_raw or bool(turn.prefill),
         shared_head_tokens=prompt.shared_head_tokens,
+        cache_pins=block_aligned(prompt.cache_pins, loaded.spec.block_size),
     )
     if prompt.grammar is not None:
         compile_grammar = session.grammars.matcher

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from semantic.actors.agent_id import AgentId
+from semantic.actors.cache_miss import CacheReport
+from semantic.actors.restore_cost import RestoreDecision
+from semantic.engine.cache_pins import CacheBreakpoint, CachePin, prompt_pins
 from semantic.engine.chat_format import ChatFormat, ChatMessage
 from semantic.engine.errors import PromptTooLongError
 from semantic.engine.grammar import (
@@ -99,6 +102,8 @@ class TurnRequest:
     # Scopes prefix-block sharing: only turns with the same salt share KV blocks (the edge folds
     # the caller's namespace in; see protocols/tenancy.py).
     cache_salt: str | None = None
+    # Anthropic `cache_control`: (message index, offset in its content, ttl_s), kept for the ttl.
+    cache_breakpoints: list[tuple[int, int, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +129,7 @@ class PreparedPrompt:
     tools: list[dict[str, Any]] | None = None  # the request's tools: parsers type arguments by them
     is_raw: bool = False  # a completion of raw text or tokens: its reply is all plain text
     shared_head_tokens: int = 0  # its leading system prompt and tools, which other agents may share
+    cache_pins: tuple[CachePin, ...] = ()  # the prompt's cache_control breakpoints, as token counts
 
 
 @dataclass(slots=True)
@@ -135,6 +141,8 @@ class TurnStarted:
     prompt: PreparedPrompt
     model_name: str
     agent_id: AgentId | None
+    cache: CacheReport | None = None  # how the prompt met the agent's cached history (cache_miss.py)
+    restore: RestoreDecision | None = None  # its cache read from disk or computed again (restore_cost.py)
 
     def check_output_complete(self) -> None:
         """At Finished: raises IncompleteOutputError where the reply's grammar ended it unfinished."""
@@ -189,10 +197,12 @@ def prepare_stateless(
     stop_after_call = chat.tool_call_closer if prefix else None
     grammar = output_grammar(chat, turn, forced)
     token_ids = chat.encode(text)
+    breakpoints = [CacheBreakpoint(*b) for b in turn.cache_breakpoints]
     return PreparedPrompt(
         token_ids, prefix, parses_tools, text[-512:], stop_after_call, grammar,
         tool_format=chat.tool_format, tools=turn.tools,
         shared_head_tokens=chat.head_length(turn.messages, turn.tools, text, token_ids),
+        cache_pins=prompt_pins(chat, turn.messages, turn.tools, breakpoints, text, token_ids),
     )  # fmt: skip
 
 

@@ -11,6 +11,11 @@ before that token, so a sliding-window model reuses what a full-attention one do
 prompt diverges near the end (a reply that does not re-tokenize the same), and shares prefixes.
 Recurrent layers (Mamba, Gated DeltaNet, convolutions) cannot be cut back at all: their state is
 kept as snapshots (`StatePoint`) where turns end, and a turn resumes only at one of those.
+
+Which idle cache goes first is the eviction policy's (`eviction.py`); the store tells it which are
+superseded and which a running sequence started from. A new agent's running sequence holds a
+reference to the blocks it started from, and `cache_control` pins hold theirs (`prefix_pins.py`),
+so those prefixes stay while it runs, or for the pin's ttl.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from loguru import logger
 from semantic.engine.block_filing import file_blocks, fill_missing, publish_blocks
 from semantic.engine.block_pool import BlockPool, hash_prefix_blocks
 from semantic.engine.cache_matching import ANONYMOUS_PREFIX, common_prefix_length, is_anonymous
+from semantic.engine.cache_pins import CachePin
 from semantic.engine.cache_spec import ModelCacheSpec
 from semantic.engine.cache_tensors import CacheSnapshot, HostSnapshot, LayerKV, StatePoint
 from semantic.engine.errors import PoolExhaustedError
@@ -43,6 +49,8 @@ from semantic.engine.layer_caches import (
     state_point_of,
     window_start,
 )
+from semantic.engine.prefix_pins import PrefixPins
+from semantic.engine.retention import RunningShares, idle_caches
 
 # Shared recurrent states kept at once: each is one sequence's whole state (tens of MB in a large
 # hybrid model), and a few system prompts are what agents share.
@@ -116,6 +124,8 @@ class AgentCacheStore:
         self.evicted: list[CacheSnapshot] = []
         # Recurrent states kept where prompts other agents share end, by that block's chained hash.
         self.shared_states: OrderedDict[bytes, SharedState] = OrderedDict()
+        self.pins = PrefixPins(pool, policy)
+        self.running_shares = RunningShares(pool)  # the prefixes new agents' sequences started from
         self._anonymous_ids = itertools.count()
 
     def resolve_agent_id(self, agent_id: str | None, prompt: list[int], salt: str | None = None) -> str:
@@ -144,6 +154,7 @@ class AgentCacheStore:
 
     def prepare(self, agent_id: str, prompt: list[int], salt: str | None = None) -> PreparedPrompt:
         """Build per-layer caches holding the longest reusable prefix of `prompt`."""
+        self.running_shares.note(agent_id, [])
         agent = self.agents.get(agent_id)
         if agent is None:
             return self._prepare_shared_prefix(agent_id, prompt, salt)
@@ -258,12 +269,17 @@ class AgentCacheStore:
             self.drop_shared_state()
 
     def drop_shared_state(self) -> bool:
-        """Drop the least recently kept shared state; whether there was one."""
+        """Drop the least recently kept shared state, or else pin; whether there was one."""
         if not self.shared_states:
-            return False
+            return self.pins.drop()
         _, shared = self.shared_states.popitem(last=False)
         self.pool.free(shared.block_ids)
         return True
+
+    def droppable_block_ids(self) -> list[list[int]]:
+        """The blocks of each shared state and pin, in the order `drop_shared_state` drops them."""
+        shared = [state.block_ids for state in self.shared_states.values()]
+        return shared + [pin.block_ids for pin in self.pins.held.values()]
 
     def _prepare_shared_prefix(self, agent_id: str, prompt: list[int], salt: str | None) -> PreparedPrompt:
         """A new agent still reuses full blocks another agent published under the same salt."""
@@ -271,6 +287,7 @@ class AgentCacheStore:
         if not num_reused:
             return PreparedPrompt(agent_id, self._new_caches(), 0, "none")
         probe = AgentCache(agent_id, prompt[:num_reused], block_ids, salt=salt)
+        self.running_shares.note(agent_id, block_ids)
         return PreparedPrompt(
             agent_id, self._build_caches(probe, num_reused, len(prompt)), num_reused, "memory"
         )
@@ -330,6 +347,7 @@ class AgentCacheStore:
         )
         if self.spec.window_extra:
             self._strip_windows(self.agents[agent_id], num_tokens if resumes_from is None else resumes_from)
+        self.pins.settle(self.held_block_ids)
         return spare
 
     def _strip_windows(self, agent: AgentCache, resumes_from: int) -> None:
@@ -404,9 +422,11 @@ class AgentCacheStore:
         num_full = len(token_ids) // self.spec.block_size * self.spec.block_size
         num_held = self._num_held(layer_caches)
         kv_runs = [kv_run(layer_caches[layer], num_held) for layer in self.spec.attention_layer_ids]
-        return publish_blocks(
+        filled = publish_blocks(
             self.pool, self.spec.block_size, token_ids[:num_full], kv_runs, spare, salt, self.codec.encode
         )
+        self.pins.settle(self.held_block_ids)
+        return filled
 
     def _num_held(self, layer_caches: list[Any]) -> int:
         """How many tokens a running sequence's caches hold (read from its first attention layer)."""
@@ -421,16 +441,29 @@ class AgentCacheStore:
         return self.pool.allocate(1)[0]
 
     def pin(self, agent_id: str) -> None:
+        """A sequence of the agent joined the batch (after `prepare`)."""
         if agent_id in self.agents:
             self.agents[agent_id].num_running += 1
+        self.running_shares.start(agent_id)
 
     def unpin(self, agent_id: str) -> None:
+        """A sequence of the agent left the batch."""
         if agent_id in self.agents:
             self.agents[agent_id].num_running = max(0, self.agents[agent_id].num_running - 1)
+        self.running_shares.end(agent_id)
+
+    def note_pins(self, prompt: list[int], pins: tuple[CachePin, ...], salt: str | None) -> None:
+        """A request's `cache_control` pins, held once their blocks are in the pool."""
+        if pins:
+            self.pins.note(prompt, pins, salt)
+            self.pins.settle(self.held_block_ids)
 
     def evictable(self) -> list[AgentCache]:
-        """Idle agents' caches in the order the eviction policy evicts them."""
-        return self.policy.order((a for a in self.agents.values() if a.num_running == 0), _last_used)
+        """Idle agents' caches in the order the eviction policy evicts them (pins past their ttl are
+        let go first, so what they held counts as the idle caches' own)."""
+        self.pins.settle(self.held_block_ids)
+        facts = idle_caches(self.agents.values(), self.spec.block_size, self.running_shares.tips)
+        return [self.agents[cache.agent_id] for cache in self.policy.order_idle(facts)]
 
     def evict_until(self, num_free_blocks: int) -> list[CacheSnapshot]:
         """Evict idle agents in the policy's order (and then shared states) until `num_free_blocks`
@@ -527,7 +560,3 @@ class AgentCacheStore:
         )
         num_windowed = num_blocks - window_start // spec.block_size if spec.window_extra else 0
         return num_new + spec.window_extra * num_windowed + num_state_points * spec.num_blocks_per_state
-
-
-def _last_used(agent: AgentCache) -> float:
-    return agent.last_used

@@ -62,8 +62,10 @@ class Batch:
         self._generators = GeneratorFactory(
             loaded.model,
             stream,
-            foldable=loaded.layout is None,  # a pipelined or sharded model's ranks step in lockstep
-            mixed_step=config.mixed_step,
+            # a pipelined or sharded model's ranks step in lockstep: never folded
+            fold=config.profile.last_token_fold and loaded.layout is None,
+            mixed_step=config.profile.mixed_step,
+            joining_cache=config.profile.joining_cache,
             completion_batch_size=config.max_batch_size,
             prefill_batch_size=config.num_prefilled_together,
             prefill_step_size=config.num_tokens_per_prefill_step,
@@ -72,6 +74,7 @@ class Batch:
         self.prefill_budget = PrefillBudget(
             config.num_tokens_per_prefill_step, config.prefill_stall_ratio, config.num_short_turn_tokens
         )
+        stats.prefill_token_s = 0.0  # this model's, once its budget has measured it
         keeper = CacheKeeper(loaded.spec, store, pool)
         self.running = RunningSequences(keeper, outbox, TokenTexts(loaded.tokenizer), stats)
 
@@ -127,6 +130,7 @@ class Batch:
             self._pool.free(reserved)
             raise
         store.pin(agent_id)
+        store.note_pins(request.prompt_tokens, request.cache_pins, request.cache_salt)
         sequence = Sequence(
             request,
             submit.events,
@@ -258,6 +262,8 @@ class Batch:
         elapsed = time.perf_counter() - started
         num_prefilled = generator_seams.num_prompt_tokens_processed(generator) - prefilled_before
         budget.observe(elapsed, num_decoding, num_prefilled)
+        if budget.token_s is not None:  # restore by cost weighs it against a read (actors/restore_cost.py)
+            self._stats.prefill_token_s = budget.token_s
         logger.debug(
             "step: {} decoding, {} prompt tokens (chunk {}), {:.1f} ms",
             num_decoding,

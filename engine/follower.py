@@ -83,7 +83,7 @@ class FollowerCore(EngineCore):
         GroupLostError when rank 0 or another rank is gone, GroupDivergedError on other tokens."""
         self._stream = mx.new_stream(mx.default_device())
         try:
-            with mx.stream(self._stream), cpu_kernels_on_this_thread():
+            with mx.stream(self._stream), cpu_kernels_on_this_thread(self.config.profile.cpu_kernels):
                 try:
                     with self._tick_allowance(True):
                         self._load(self.config.model, self.config.model_name)

@@ -104,7 +104,8 @@ class Follower(_Rank):
 
 
 # Each rank keeps its own paths and group settings; the rest must match for the ranks to agree.
-_LOCAL_FIELDS = {"models_dir", "pipeline", "rank_timeout_s"}
+# Each rank's own (paths, group settings), and what each works out from the rest (its profile).
+_LOCAL_FIELDS = {"models_dir", "pipeline", "rank_timeout_s", "profile"}
 
 
 def config_dict(config: EngineConfig) -> dict[str, Any]:

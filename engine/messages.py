@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from semantic.engine.cache_pins import CachePin
 from semantic.engine.sampling import SamplingParams
 from semantic.engine.token_logprobs import TokenLogprob
 
@@ -37,6 +38,8 @@ class GenerationRequest:
     # How many leading prompt tokens other agents' prompts are likely to share (the rendered system
     # prompt and tools): a model with recurrent layers keeps its state there for them (0: unknown).
     shared_head_tokens: int = 0
+    # Anthropic `cache_control` breakpoints: leading prompt tokens (whole blocks) kept for a ttl.
+    cache_pins: tuple[CachePin, ...] = ()
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ from semantic.engine.cache_tensors import (
 from semantic.engine.commands import CachedAgent, PoolReport
 from semantic.engine.config import EngineConfig, EngineStats
 from semantic.engine.distributed import Collectives, GroupLayout
+from semantic.engine.eviction import EvictionPolicy
 from semantic.engine.layer_caches import BlockCodec
 from semantic.engine.loading import LoadedModel, load_model
 from semantic.engine.mlx_adapter import checks
@@ -61,7 +62,7 @@ class Runtime:
         loaded = load_model(source, config.block_size, config.default_dtype, name, config.models_dir, layout)
         checks.check_seams(loaded.model)
         checks.check_batchable(loaded.model)
-        install_kernel_hooks()
+        install_kernel_hooks(config.profile.cpu_kernels, packed_passes=config.profile.mixed_step)
         spec = loaded.spec
         codec = BlockCodec.for_spec(spec, config.idle_kv_bits)
         budget_bytes = config.cache_budget_mb * 2**20
@@ -72,8 +73,10 @@ class Runtime:
             budget_bytes, codec.bytes_per_block(spec), spec.block_size, spec.window_slots, spec.window_extra
         )
         model = loaded.model
-        store = AgentCacheStore(spec, pool, lambda: make_prompt_cache(model), codec)
+        policy = EvictionPolicy(pinned_share=config.cache_pinned_share)
+        store = AgentCacheStore(spec, pool, lambda: make_prompt_cache(model), codec, policy)
         batch = Batch(loaded, pool, store, config, stream, stats, outbox)
+        logger.info("{}", config.profile.describe())
         logger.info(
             "loaded {} ({} layers: {}; {} KV heads, head dim {}, {}); "
             "pool {} blocks of {} tokens = {:.0f} MiB{}",

@@ -181,7 +181,7 @@ def pool_summary(store: AgentCacheStore) -> PoolSummary:
     counts and what each gives back when freed (itself and the blocks charged for its windows)."""
     pool = store.pool
     evictable = [HeldCache(a.agent_id, [*a.block_ids, *a.state_block_ids]) for a in store.evictable()]
-    shared = [state.block_ids for state in store.shared_states.values()]
+    shared = store.droppable_block_ids()  # shared states, then cache_control pins
     held = {b for cache in evictable for b in cache.block_ids} | {b for ids in shared for b in ids}
     blocks = pool.blocks
     return PoolSummary(

@@ -64,7 +64,7 @@ class ServingCore(EngineCore):
             self._stream = mx.new_stream(mx.default_device())
             with (
                 mx.stream(self._stream),
-                cpu_kernels_on_this_thread(),
+                cpu_kernels_on_this_thread(self.config.profile.cpu_kernels),
                 self._tick_allowance(True),
             ):
                 self._load(self.config.model, self.config.model_name)
@@ -73,7 +73,7 @@ class ServingCore(EngineCore):
             self._loop.call_soon_threadsafe(reject, ready, error)
             return
         self._loop.call_soon_threadsafe(resolve, ready, None)
-        with mx.stream(self._stream), cpu_kernels_on_this_thread():
+        with mx.stream(self._stream), cpu_kernels_on_this_thread(self.config.profile.cpu_kernels):
             try:
                 self._serve()
             finally:

@@ -116,7 +116,8 @@ async def get_agent(request: web.Request) -> web.Response:
     info = await request.app[SYSTEM_KEY].agent_info(agent_id)
     if info is None:
         raise NotFound(f"no agent {agent_id.local_id}")
-    return json_response(_agent_json(info))
+    counts = request.app[SYSTEM_KEY].cache_notes.counts_of(agent_id)  # since the server started
+    return json_response(_agent_json(info) | {"cache": counts.as_json() if counts is not None else None})
 
 
 async def delete_agent(request: web.Request) -> web.Response:

@@ -14,10 +14,10 @@ from semantic.actors.turns import PromptLimitError, TurnRequest, TurnStarted, Un
 from semantic.protocols.anthropic_reply import MessageReply, MessageStream, new_id
 from semantic.protocols.anthropic_wire import (
     MessagesRequest,
+    chat_and_breakpoints,
     decode_request,
     output_schema,
     split_prefill,
-    to_chat_messages,
     tool_choice,
     tool_schemas,
 )
@@ -42,7 +42,7 @@ def to_turn(request: web.Request, body: MessagesRequest, counting: bool = False)
         raise ApiError("max_tokens: Field required")
     if body.temperature is not None and not 0.0 <= body.temperature <= 1.0:
         raise ApiError(f"temperature: {body.temperature} is out of range: 0..1")
-    messages = to_chat_messages(body)
+    messages, breakpoints = chat_and_breakpoints(body)
     if not messages:
         raise UnsupportedContentError("messages: none has content the model can read (only thinking blocks)")
     prefill = split_prefill(messages)
@@ -65,6 +65,7 @@ def to_turn(request: web.Request, body: MessagesRequest, counting: bool = False)
         tool_choice=tool_choice(body.tool_choice),
         prefill=prefill,
         output_schema=output_schema(body),
+        cache_breakpoints=breakpoints,
     )
 
 

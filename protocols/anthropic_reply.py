@@ -75,13 +75,18 @@ def _stop_reason(finished: Finished, called_tool: bool) -> str:
     return "end_turn"
 
 
-def _usage(started: PromptStarted | None, num_output: int) -> Usage:
+def _usage(started: PromptStarted | None, num_output: int, turn: TurnStarted) -> Usage:
+    """As Anthropic counts: tokens read from the cache, tokens of `cache_control` prefixes written to
+    it (the pinned prefix past what was read), and the uncached rest."""
     if started is None:
         return Usage(0, num_output)
+    num_pinned = max((pin.num_tokens for pin in turn.stream.request.cache_pins), default=0)
+    num_created = max(0, min(num_pinned, started.num_prompt_tokens) - started.num_cached_tokens)
     return Usage(
-        input_tokens=started.num_prompt_tokens - started.num_cached_tokens,
+        input_tokens=started.num_prompt_tokens - started.num_cached_tokens - num_created,
         output_tokens=num_output,
         cache_read_input_tokens=started.num_cached_tokens,
+        cache_creation_input_tokens=num_created,
     )
 
 
@@ -131,7 +136,7 @@ class MessageReply(CollectedReply):
             content or [OutText("")],
             _stop_reason(finished, called_tool),
             finished.stop_sequence,
-            _usage(self.prompt, finished.num_generated_tokens),
+            _usage(self.prompt, finished.num_generated_tokens, self.started),
         )
 
 
@@ -162,7 +167,7 @@ class MessageStream:
                     "content": [],
                     "stop_reason": None,
                     "stop_sequence": None,
-                    "usage": msgspec.to_builtins(_usage(event, 0)),
+                    "usage": msgspec.to_builtins(_usage(event, 0, self.started)),
                 }
                 await self.sse.event("message_start", {"type": "message_start", "message": message})
                 await self.sse.ping()
@@ -204,7 +209,7 @@ class MessageStream:
             "stop_reason": _stop_reason(finished, self.called_tool),
             "stop_sequence": finished.stop_sequence,
         }
-        usage = msgspec.to_builtins(_usage(self.prompt, finished.num_generated_tokens))
+        usage = msgspec.to_builtins(_usage(self.prompt, finished.num_generated_tokens, self.started))
         await self.sse.event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
         await self.sse.event("message_stop", {"type": "message_stop"})
 

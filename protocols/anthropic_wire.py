@@ -1,9 +1,10 @@
 """The Anthropic Messages request as Claude Code and the SDKs send it, and its conversion to a turn.
 
-What Claude Code sends is accepted as it is: system blocks with `cache_control`, system messages
-mid-conversation, tool results as strings or blocks, thinking blocks echoed back, and top-level
-fields we have no use for. Volatile system lines (the per-request billing header) are dropped
-before rendering so consecutive turns share their cached prefix.
+What Claude Code sends is accepted as it is: system messages mid-conversation, tool results as
+strings or blocks, thinking blocks echoed back, and top-level fields we have no use for. Volatile
+system lines (the per-request billing header) are dropped before rendering so consecutive turns
+share their cached prefix. `cache_control` on a system block, a tool or a content block becomes a
+breakpoint (a chat message and an offset in its content) whose prefix the engine keeps for its ttl.
 """
 
 from __future__ import annotations
@@ -19,30 +20,45 @@ from semantic.actors.turns import UnsupportedContentError
 from semantic.protocols.tenancy import CacheSalt
 
 _VOLATILE_LINES = re.compile(r"^x-anthropic-billing-header:.*(?:\n|$)", re.MULTILINE)
+TTL_S = {"5m": 300.0, "1h": 3600.0}
+
+
+class CacheControl(msgspec.Struct):
+    type: Literal["ephemeral"] = "ephemeral"
+    ttl: Literal["5m", "1h"] = "5m"
+
+    @property
+    def ttl_s(self) -> float:
+        return TTL_S[self.ttl]
 
 
 class TextBlock(msgspec.Struct, tag="text", tag_field="type"):
     text: str
+    cache_control: CacheControl | None = None
 
 
 class ImageBlock(msgspec.Struct, tag="image", tag_field="type"):
     source: dict[str, Any] = msgspec.field(default_factory=dict)
+    cache_control: CacheControl | None = None
 
 
 class DocumentBlock(msgspec.Struct, tag="document", tag_field="type"):
     source: dict[str, Any] = msgspec.field(default_factory=dict)
+    cache_control: CacheControl | None = None
 
 
 class ToolUseBlock(msgspec.Struct, tag="tool_use", tag_field="type"):
     id: str
     name: str
     input: dict[str, Any] = msgspec.field(default_factory=dict)
+    cache_control: CacheControl | None = None
 
 
 class ToolResultBlock(msgspec.Struct, tag="tool_result", tag_field="type"):
     tool_use_id: str
     content: str | list[TextBlock | ImageBlock | DocumentBlock] | None = None
     is_error: bool = False
+    cache_control: CacheControl | None = None
 
 
 class ThinkingBlock(msgspec.Struct, tag="thinking", tag_field="type"):
@@ -76,6 +92,7 @@ class Tool(msgspec.Struct):
     input_schema: dict[str, Any] = msgspec.field(default_factory=dict)
     type: str | None = None
     strict: bool | None = None
+    cache_control: CacheControl | None = None
 
 
 class ToolChoice(msgspec.Struct):
@@ -138,12 +155,28 @@ def _text_of(blocks: str | list[Any] | None) -> str:
 _NO_VISION = "image and document blocks are not supported: the served model reads text only"
 
 
+Breakpoint = tuple[int, int, float]  # a chat message's index, an offset in its content, a ttl in s
+
+
 def to_chat_messages(body: MessagesRequest) -> list[ChatMessage]:
     """Anthropic messages in the chat-template form (tool results become `tool` turns)."""
+    return chat_and_breakpoints(body)[0]
+
+
+def chat_and_breakpoints(body: MessagesRequest) -> tuple[list[ChatMessage], list[Breakpoint]]:
+    """The chat messages, and where the request's `cache_control` breakpoints fall in them."""
     chat: list[ChatMessage] = []
+    breakpoints: list[Breakpoint] = _system_breakpoints(body.system)
     system = system_text(body.system)
     if system:
         chat.append({"role": "system", "content": system})
+    else:
+        breakpoints = []
+    # Tools render in the prompt's head (the system turn): a tool's breakpoint keeps all before the
+    # first message.
+    tool_ttls = [tool.cache_control.ttl_s for tool in body.tools if tool.cache_control is not None]
+    if tool_ttls and body.messages:
+        breakpoints.append((len(chat), 0, max(tool_ttls)))
     call_ids: set[str] = set()  # the tool_use blocks of the assistant messages so far
     for at, message in enumerate(body.messages):
         if isinstance(message.content, str):
@@ -151,11 +184,17 @@ def to_chat_messages(body: MessagesRequest) -> list[ChatMessage]:
             continue
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
+        marks: list[tuple[int, float]] = []  # breakpoints in this message's text: (offset, ttl_s)
+        separator = "" if message.role == "assistant" else "\n\n"
         for block_at, block in enumerate(message.content):
             match block:
                 case TextBlock(text=text):
                     texts.append(text)
+                    if block.cache_control is not None:
+                        marks.append((len(separator.join(texts)), block.cache_control.ttl_s))
                 case ToolUseBlock(id=call_id, name=name, input=arguments):
+                    if block.cache_control is not None:  # the calls render after the message's text
+                        marks.append((len(separator.join(texts)), block.cache_control.ttl_s))
                     calls.append(
                         {
                             "id": call_id,
@@ -169,14 +208,10 @@ def to_chat_messages(body: MessagesRequest) -> list[ChatMessage]:
                             f"messages.{at}.content.{block_at}: tool_result names tool_use_id {call_id!r}, "
                             "which no tool_use block of an earlier assistant message has"
                         )
-                    result = _text_of(content)
-                    chat.append(
-                        {
-                            "role": "tool",
-                            "tool_call_id": call_id,
-                            "content": f"Error: {result}" if is_error else result,
-                        }
-                    )
+                    result = f"Error: {_text_of(content)}" if is_error else _text_of(content)
+                    if block.cache_control is not None:
+                        breakpoints.append((len(chat), len(result), block.cache_control.ttl_s))
+                    chat.append({"role": "tool", "tool_call_id": call_id, "content": result})
                 case ImageBlock() | DocumentBlock():
                     raise UnsupportedContentError(_NO_VISION)
                 case ThinkingBlock() | RedactedThinkingBlock():
@@ -187,10 +222,25 @@ def to_chat_messages(body: MessagesRequest) -> list[ChatMessage]:
                 entry: ChatMessage = {"role": "assistant", "content": "".join(texts)}
                 if calls:
                     entry["tool_calls"] = calls
+                breakpoints += [(len(chat), offset, ttl_s) for offset, ttl_s in marks]
                 chat.append(entry)
         elif texts:
+            breakpoints += [(len(chat), offset, ttl_s) for offset, ttl_s in marks]
             chat.append({"role": message.role, "content": "\n\n".join(texts)})
-    return chat
+    return chat, breakpoints
+
+
+def _system_breakpoints(system: str | list[TextBlock] | None) -> list[Breakpoint]:
+    """Breakpoints on system blocks: the system turn (message 0) up to the end of the block's text."""
+    if not isinstance(system, list):
+        return []
+    whole = system_text(system) or ""
+    found: list[Breakpoint] = []
+    for at, block in enumerate(system):
+        prefix = system_text(system[: at + 1]) or ""
+        if block.cache_control is not None and prefix and whole.startswith(prefix):
+            found.append((0, len(prefix), block.cache_control.ttl_s))
+    return found
 
 
 def tool_schemas(tools: list[Tool]) -> list[dict[str, Any]] | None:

@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 from aiohttp import web
 from loguru import logger
 
@@ -47,18 +48,12 @@ async def health_ready(request: web.Request) -> web.Response:
         reason = f"switching the model to {target}" if target else "unloading the model"
         return web.json_response({"status": "unavailable", "reason": reason}, status=503)
     group = system.engine.group_report()
-    extra = {"group": group} if group is not None else {}
+    extra: dict[str, object] = {"backend": msgspec.to_builtins(system.config.engine.profile)}
+    if group is not None:
+        extra["group"] = group
     if system.models.entry is None:  # unloaded while idle: the next request loads it again
         return web.json_response({"status": "ok", "model": None, "loaded": False, **extra})
     return web.json_response({"status": "ok", "model": system.models.entry.name, "loaded": True, **extra})
-
-
-def heap_reserve_bytes(settings: Settings) -> int:
-    """The heap faulted in ahead of the turns (semantic/heap.py): on the CPU only, where the arrays
-    live on this heap."""
-    import mlx.core as mx
-
-    return settings.cache.heap_reserve_mb << 20 if mx.default_device() == mx.cpu else 0
 
 
 def create_app(config: SystemConfig, settings: Settings | None = None) -> web.Application:
@@ -78,7 +73,9 @@ def create_app(config: SystemConfig, settings: Settings | None = None) -> web.Ap
         started = time.monotonic()
         system = app[SYSTEM_KEY]
         await system.start()
-        reserve_bytes = heap_reserve_bytes(settings)
+        # The heap faulted in ahead of the turns (semantic/heap.py): on the CPU only, where the
+        # arrays live on this heap (the backend profile says so).
+        reserve_bytes = config.engine.profile.heap_reserve_mb << 20
         if await asyncio.get_running_loop().run_in_executor(None, keep_heap_ready, reserve_bytes):
             logger.debug("{} MB of heap faulted in, ready for the first turns", reserve_bytes >> 20)
         app[STARTED_KEY]["startup_s"] = time.monotonic() - started

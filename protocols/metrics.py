@@ -1,6 +1,7 @@
 """Prometheus metrics: request-side instruments, plus engine and cache figures read at scrape time.
 
-Labels are bounded: protocol, status code, cache tier. Agents are counted, never labelled.
+Labels are bounded: protocol, status code, cache tier, cache miss reason. Agents are counted, never
+labelled.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from semantic.actors.cache_miss import Reason
 from semantic.actors.system import AgentSystem
 from semantic.protocols.tenancy import require_admin
 
@@ -134,6 +136,15 @@ class _SystemCollector(Collector):
         yield CounterMetricFamily(
             "semantic_evictions", "Agent caches evicted from memory", stats.num_evictions
         )
+        turns = CounterMetricFamily(
+            "semantic_cache_turns",
+            "Turns by how their prompt met the agent's cached history: hit, or why it parted from it",
+            labels=["reason"],
+        )
+        counted = self.system.cache_notes.num_turns_by_reason
+        for reason in Reason:  # every label from the start, zeros included
+            turns.add_metric([reason.value], counted[reason])
+        yield turns
         yield CounterMetricFamily(
             "semantic_engine_tick_failures",
             "Engine ticks that raised; their requests failed and the engine served on",

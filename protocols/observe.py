@@ -19,10 +19,12 @@ from aiohttp.typedefs import Handler
 from loguru import logger
 
 from semantic import Event, Finished, PromptStarted, RequestStream, TokenDelta
+from semantic.actors.cache_miss import CacheReport
 from semantic.protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY
 from semantic.protocols.errors import ApiError, RequestTimedOut, as_api_error, protocol_of
 
 REQUEST_ID_HEADER = "X-Request-Id"
+CACHE_HEADER = "x-semantic-cache"  # how the prompt met the agent's cached history (actors/cache_miss.py)
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -37,6 +39,8 @@ class RequestRecord:
     num_reused_tokens: int = 0
     num_generated_tokens: int = 0
     cache_tier: str | None = None
+    cache: CacheReport | None = None  # set before the reply's headers go out
+    restore: str | None = None  # its agent's cache read from disk or computed again, and the estimates
     ttft_s: float | None = None
     handled_s: float | None = None  # from the request's start to the engine getting it
     engine_wait_s: float | None = None  # from there to joining the batch
@@ -204,14 +208,16 @@ def _log_summary(request: web.Request, record: RequestRecord, status: int, durat
         reused_tokens=record.num_reused_tokens,
         generated_tokens=record.num_generated_tokens,
         cache_tier=record.cache_tier,
+        cache=record.cache.header() if record.cache is not None else None,
+        restore=record.restore,
         ttft_s=record.ttft_s,
         handled_s=record.handled_s,
         engine_wait_s=record.engine_wait_s,
         duration_s=round(duration, 4),
         outcome=record.outcome,
     ).info(
-        "{} {} {} protocol={} agent={} prompt={} reused={} generated={} handled={}s engine_wait={}s "
-        "ttft={}s duration={:.3f}s outcome={}",
+        "{} {} {} protocol={} agent={} prompt={} reused={} generated={} cache={} restore={} handled={}s "
+        "engine_wait={}s ttft={}s duration={:.3f}s outcome={}",
         request.method,
         request.path,
         status,
@@ -220,6 +226,8 @@ def _log_summary(request: web.Request, record: RequestRecord, status: int, durat
         record.num_prompt_tokens,
         record.num_reused_tokens,
         record.num_generated_tokens,
+        _cache_text(record.cache),
+        record.restore or "-",
         seconds(record.handled_s),
         seconds(record.engine_wait_s),
         seconds(record.ttft_s),
@@ -228,8 +236,15 @@ def _log_summary(request: web.Request, record: RequestRecord, status: int, durat
     )
 
 
+def _cache_text(report: CacheReport | None) -> str:
+    """The x-semantic-cache header without spaces: `reused=1234/1500,parted=1234,...,reason=...`."""
+    return "-" if report is None else report.header().replace("; ", ",")
+
+
 async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:
     record = request.get(RECORD_KEY)
     if record is not None:
         response.headers[REQUEST_ID_HEADER] = record.request_id
         response.headers["request-id"] = record.request_id
+        if record.cache is not None:
+            response.headers[CACHE_HEADER] = record.cache.header()

@@ -21,7 +21,7 @@ from semantic import Event, Finished, PromptProgress, PromptStarted, SamplingPar
 from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.protocols.common import SETTINGS_KEY, SYSTEM_KEY, SseWriter, json_response
 from semantic.protocols.errors import ApiError, as_api_error
-from semantic.protocols.observe import admit, check_bounds, watch
+from semantic.protocols.observe import admit, check_bounds, record_of, watch
 from semantic.protocols.reasoning import ReasoningSplitter, ThinkingEnd, ThinkingPart, prompt_opens_thinking
 from semantic.protocols.tenancy import is_admin
 from semantic.protocols.tool_parser import ParsedPart, ToolCallParser
@@ -103,6 +103,9 @@ async def answer_turn(
     turn.may_switch_model = is_admin(request)  # a switch drains every namespace's requests
     started = await request.app[SYSTEM_KEY].start_turn(turn)
     stream = watch(request, started.stream)
+    record = record_of(request)
+    record.cache = started.cache  # the x-semantic-cache header, set as the reply prepares
+    record.restore = started.restore.summary() if started.restore is not None else None
     sse = SseWriter(request, ping_frame) if streaming else None
     reply = make_reply(started, sse)
     try:

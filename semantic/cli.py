@@ -34,15 +34,19 @@ def _models_dir(settings: Settings) -> Path:
 
 def _system_config(settings: Settings) -> SystemConfig:
     from semantic.actors.system import SystemConfig
+    from semantic.engine.backend_profile import apply_device_choice
     from semantic.engine.engine import EngineConfig
     from semantic.engine.registry import ModelEntry
 
     _refuse_kv_bits(settings.cache.kv_bits)
+    apply_device_choice(settings.backend.device)
+    backend = settings.backend
     engine = EngineConfig(
         model=settings.model.name,
         block_size=settings.cache.block_size,
         cache_budget_mb=settings.cache.budget_mb,
         idle_kv_bits=settings.cache.idle_kv_bits,
+        cache_pinned_share=settings.cache.pinned_share,
         max_batch_size=settings.engine.max_batch_size,
         tick_s=settings.engine.tick_ms / 1000,
         default_dtype=settings.model.dtype,
@@ -51,7 +55,12 @@ def _system_config(settings: Settings) -> SystemConfig:
         prefill_step_size=settings.engine.prefill_step_size or None,
         prefill_stall_ratio=settings.engine.prefill_stall_ratio,
         short_turn_tokens=settings.engine.short_turn_tokens or None,
-        mixed_step=settings.engine.mixed_step,
+        mixed_step=backend.mixed_step,
+        last_token_fold=backend.last_token_fold,
+        joining_cache=backend.joining_cache,
+        cpu_kernels=backend.cpu_kernels,
+        exact_numerics=backend.exact_numerics,
+        heap_reserve_mb=settings.cache.heap_reserve_mb,
         shortest_first_max_wait_s=settings.engine.shortest_first_max_wait_s,
         pipeline=settings.engine.pipeline,
         rank_timeout_s=settings.engine.rank_timeout_s,
@@ -201,7 +210,9 @@ def _exit_now(code: int) -> None:
 
 
 def show_config(args: argparse.Namespace) -> None:
-    print(load_settings_from(args).describe())
+    loaded = load_settings_from(args)
+    print(loaded.describe())
+    print(f"# {_system_config(loaded.settings).engine.profile.describe()}")
 
 
 async def _generate(args: argparse.Namespace, settings: Settings) -> None:

@@ -35,6 +35,11 @@ MODEL_FLAGS = [
         "keep caches no sequence is decoding from quantized to 4 or 8 bits (more agents per GB)",
     ),
     (
+        "--cache-pinned-share",
+        "cache.pinned_share",
+        "share of the KV budget that Anthropic cache_control prefixes may keep for their ttl (0 to 1)",
+    ),
+    (
         "--checkpoint-idle-s",
         "cache.checkpoint_idle_s",
         "after this many seconds without requests, write the caches that changed to disk (0: off)",
@@ -42,8 +47,9 @@ MODEL_FLAGS = [
     (
         "--heap-reserve-mb",
         "cache.heap_reserve_mb",
-        "heap faulted in at start-up and kept through idle trims, on Linux CPU, in MiB (0: none)",
+        "heap faulted in at start-up and kept through idle trims, on Linux CPU, in MiB (512; 0: none)",
     ),
+    ("--device", "backend.device", "where MLX runs: auto (the GPU where there is one), cpu or gpu"),
     ("--max-batch-size", "engine.max_batch_size", "sequences decoding together"),
     ("--tick-ms", "engine.tick_ms", "shortest engine tick under load, in ms (0: back to back)"),
     (
@@ -170,10 +176,17 @@ def add_settings_args(parser: argparse.ArgumentParser, server: bool) -> None:
     )
     parser.add_argument(
         "--no-mixed-step",
-        dest="setting:engine.mixed_step",
+        dest="setting:backend.mixed_step",
         action="store_false",
         default=argparse.SUPPRESS,
         help="decode and prefill in two forward passes a tick (mlx-lm's way) instead of one",
+    )
+    parser.add_argument(
+        "--exact-numerics",
+        dest="setting:backend.exact_numerics",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="run mlx-lm's own kernels and steps only (no CPU kernels, fold or step variants)",
     )
     parser.add_argument(
         "--alias",

@@ -21,7 +21,7 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 ENV_PREFIX = "SEMANTIC_"
 SECRET_KEYS = {"server.api_key"}
 # SEMANTIC_* variables that are not settings: the launcher's (semantic/launch.py) and the tests'.
-NOT_SETTINGS = {"SEMANTIC_FAST_BLAS", "SEMANTIC_NO_FAST_BLAS", "SEMANTIC_NO_FAST_ATTENTION", "SEMANTIC_TEST"}
+NOT_SETTINGS = {"SEMANTIC_FAST_BLAS", "SEMANTIC_NO_FAST_BLAS", "SEMANTIC_TEST"}
 
 
 class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -64,7 +64,10 @@ class CacheSection(_Section):
     block_size: Annotated[int, Meta(ge=16, le=4096)] = 256
     kv_bits: Literal[4, 8] | None = None
     idle_kv_bits: Literal[4, 8] | None = None
-    heap_reserve_mb: Annotated[int, Meta(ge=0, le=1 << 20)] = 512  # heap kept faulted in (Linux CPU)
+    # the share of budget_mb that Anthropic cache_control breakpoints may keep pinned for their ttl
+    pinned_share: Annotated[float, Meta(ge=0, le=1)] = 0.25
+    # heap kept faulted in (Linux CPU only); None: the backend profile's (512)
+    heap_reserve_mb: Annotated[int, Meta(ge=0, le=1 << 20)] | None = None
     # write the caches that changed since their files after this long without requests; 0: off
     checkpoint_idle_s: Annotated[float, Meta(ge=0, le=86400)] = 120.0
 
@@ -77,14 +80,23 @@ class EngineSection(_Section):
     prefill_stall_ratio: Annotated[float, Meta(ge=0, le=100)] = 1.0  # 0: whole chunks (off)
     # a prompt with at most this many uncached tokens goes in whole chunks; 0: one prefill step
     short_turn_tokens: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
-    mixed_step: bool = (
-        True  # decode and a prompt's chunk in one forward pass (engine/mlx_adapter/mixed_step.py)
-    )
     shortest_first_max_wait_s: Annotated[float, Meta(ge=0, le=86400)] = 60.0
     # Under mlx.launch: split the model's layers over the group instead of its heads (where the
     # model supports it), and how long a silent rank is waited for before the group stops.
     pipeline: bool = False
     rank_timeout_s: Annotated[float, Meta(ge=1, le=86400)] = 120.0
+
+
+class BackendSection(_Section):
+    """What runs on the device (engine/backend_profile.py); None: the device's default (on the CPU
+    our kernels and step variants, on a GPU mlx-lm's own)."""
+
+    device: Literal["auto", "cpu", "gpu"] = "auto"  # auto: the GPU where this mlx has one
+    exact_numerics: bool = False  # mlx-lm's own kernels and steps only, whatever the others say
+    cpu_kernels: bool | None = None  # our attention and SwiGLU (engine/cpu_attention.py)
+    last_token_fold: bool | None = None  # a prompt's last token in its last chunk
+    mixed_step: bool | None = None  # decode and a prompt's chunk in one forward pass
+    joining_cache: bool | None = None  # joins and leaves at one copy of each running row
 
 
 class LimitsSection(_Section):
@@ -114,6 +126,7 @@ class Settings(_Section):
     model: ModelSection = msgspec.field(default_factory=ModelSection)
     cache: CacheSection = msgspec.field(default_factory=CacheSection)
     engine: EngineSection = msgspec.field(default_factory=EngineSection)
+    backend: BackendSection = msgspec.field(default_factory=BackendSection)
     limits: LimitsSection = msgspec.field(default_factory=LimitsSection)
     logging: LoggingSection = msgspec.field(default_factory=LoggingSection)
 
@@ -127,6 +140,7 @@ SECTIONS: dict[str, type[_Section]] = {
     "model": ModelSection,
     "cache": CacheSection,
     "engine": EngineSection,
+    "backend": BackendSection,
     "limits": LimitsSection,
     "logging": LoggingSection,
 }

@@ -63,6 +63,10 @@ def _loaded_libraries() -> list[str]:
 def check_blas() -> Check:
     if sys.platform == "darwin":
         return Check("OK", "BLAS", "Accelerate (macOS)")
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        return Check("OK", "BLAS", "not needed: MLX runs on the GPU (the launcher preloads nothing)")
     blas = sorted({Path(lib).name for lib in _loaded_libraries() if "blas" in Path(lib).name.lower()})
     if any("openblas" in name for name in blas):
         return Check("OK", "BLAS", f"OpenBLAS preloaded ({', '.join(blas)})")

@@ -47,7 +47,9 @@ from semantic.storage.conversation_file import (
 )
 from semantic.storage.disk_budget import DiskBudget
 from semantic.storage.persistence_messages import (
+    CacheOnDisk,
     DeleteAgent,
+    DescribeCache,
     ListOnDisk,
     LoadCache,
     LoadConversation,
@@ -67,7 +69,9 @@ class PersistenceStoppedError(RuntimeError):
     pass
 
 
-NAMES_ONE_AGENT = LoadCache | DeleteAgent | SaveConversation | LoadConversation | QuarantineCache
+NAMES_ONE_AGENT = (
+    LoadCache | DescribeCache | DeleteAgent | SaveConversation | LoadConversation | QuarantineCache
+)
 
 
 class PersistenceActor:
@@ -94,6 +98,8 @@ class PersistenceActor:
         self.num_disk_evictions = 0
         self.last_write_s = 0.0
         self.write_seconds_total = 0.0
+        self.num_read_bytes = 0  # cache files read, and the seconds their reads took (restore by cost)
+        self.read_s_total = 0.0
 
     # ---- the asking side ----
 
@@ -135,6 +141,11 @@ class PersistenceActor:
         """An agent's cache, or None when it has none or its file was bad (quarantined: start cold)."""
         cache: SerializedCache | None = await self._ask(LoadCache(agent_id))
         return cache
+
+    async def describe_cache(self, agent_id: AgentId) -> CacheOnDisk | None:
+        """The agent's cache file's tokens and bytes, from the index (no read); None without one."""
+        described: CacheOnDisk | None = await self._ask(DescribeCache(agent_id))
+        return described
 
     async def delete(self, agent_id: AgentId) -> None:
         await self._ask(DeleteAgent(agent_id))
@@ -212,6 +223,12 @@ class PersistenceActor:
                 return await self._save(cache) is not None
             case LoadCache(agent_id=agent_id):
                 return await self._load(agent_id)
+            case DescribeCache(agent_id=agent_id):
+                entry = self._index.get(agent_id)
+                if entry is None or not entry.has_cache:
+                    return None
+                use = self.disk_budget.files.get(agent_id)
+                return CacheOnDisk(entry.num_cached_tokens, use.num_bytes if use is not None else 0)
             case DeleteAgent(agent_id=agent_id):
                 self._deleted_at.pop(agent_id, None)
                 self._deleted_at[agent_id] = time.monotonic()
@@ -310,6 +327,7 @@ class PersistenceActor:
         if entry is None or not entry.has_cache:
             return None
         path = self.path_for(agent_id)
+        start = time.perf_counter()
         try:
             cache, digest = await self._io(read_and_touch, path, self.identity, agent_id)
         except CacheFileError as error:
@@ -320,6 +338,10 @@ class PersistenceActor:
             self.disk_budget.forget(agent_id)
             return None
         self.num_loads += 1
+        use = self.disk_budget.files.get(agent_id)
+        if use is not None:
+            self.num_read_bytes += use.num_bytes
+            self.read_s_total += time.perf_counter() - start
         entry.holds_cache(cache.num_tokens, digest)  # of the token ids the read checked
         self.disk_budget.touch(agent_id, time.time())
         return cache

@@ -30,6 +30,19 @@ class LoadCache:
 
 
 @dataclass(frozen=True, slots=True)
+class DescribeCache:
+    """What the index knows of an agent's cache file, without reading it (restore by cost)."""
+
+    agent_id: AgentId
+
+
+@dataclass(frozen=True, slots=True)
+class CacheOnDisk:
+    num_tokens: int
+    num_bytes: int  # the file's size; 0 where the disk budget has no record of it
+
+
+@dataclass(frozen=True, slots=True)
 class DeleteAgent:
     agent_id: AgentId
 
@@ -67,6 +80,7 @@ PersistenceMessage = (
     SaveCaches
     | WriteCache
     | LoadCache
+    | DescribeCache
     | DeleteAgent
     | SaveConversation
     | LoadConversation

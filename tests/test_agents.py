@@ -128,18 +128,18 @@ async def test_an_agent_whose_cache_is_not_on_disk_never_waits_on_the_engine_thr
     send = system.engine.send  # every ask goes through it
     persistence = system.models.persistence
     assert persistence is not None
-    load = persistence.load
+    describe = persistence.describe_cache
 
     def recording_send(command):  # type: ignore[no-untyped-def]
         asked.append(command)
         return send(command)
 
-    async def recording_load(agent_id: AgentId):  # type: ignore[no-untyped-def]
+    async def recording_describe(agent_id: AgentId):  # type: ignore[no-untyped-def]
         loads.append(agent_id)
-        return await load(agent_id)
+        return await describe(agent_id)
 
     monkeypatch.setattr(system.engine, "send", recording_send)
-    monkeypatch.setattr(persistence, "load", recording_load)
+    monkeypatch.setattr(persistence, "describe_cache", recording_describe)
     report = await converse(system, "held-agent")
     assert [c for c in asked if not isinstance(c, ReferenceGenerate)] == []  # the test's own cold runs
     assert loads == [AgentId("held-agent")]  # the first turn: no file

@@ -132,6 +132,16 @@ def test_one_query_over_a_long_history_equals_mlx() -> None:
     np.testing.assert_allclose(np.array(ours), np.array(expected), rtol=1e-4, atol=2e-5)
 
 
+DEFAULT_MIN_SCORES = cpu_attention.MIN_SCORES
+
+
+@pytest.fixture(autouse=True)
+def _our_kernel_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check what our kernel computes and where the hook sends a call, on shapes small
+    enough to run fast: below `MIN_SCORES` the hook would send them all to MLX's own."""
+    monkeypatch.setattr(cpu_attention, "MIN_SCORES", 0)
+
+
 @pytest.fixture(scope="module")
 def hooked_model(default_model_dir: Path) -> Any:
     """The default model with the CPU attention hook installed, as the engine installs it at load."""
@@ -149,6 +159,34 @@ def test_installing_routes_a_cpu_model_s_attention_through_the_hook(hooked_model
     hook = llama.scaled_dot_product_attention
     assert hook is not base.scaled_dot_product_attention
     assert getattr(hook, "__wrapped__", None) is base.scaled_dot_product_attention
+
+
+def test_a_call_with_few_scores_goes_to_mlx_s_own_attention(
+    hooked_model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step over a short history: our kernel's new trace per key length costs more than
+    MLX's scalar exponential over so few scores."""
+    from mlx_lm.models import llama
+
+    monkeypatch.setattr(cpu_attention, "MIN_SCORES", DEFAULT_MIN_SCORES)
+    ours: list[tuple[int, ...]] = []
+    attention = cpu_attention.attention
+
+    def spy(queries: mx.array, keys: mx.array, *rest: Any) -> mx.array:
+        ours.append(keys.shape)
+        return attention(queries, keys, *rest)
+
+    monkeypatch.setattr(cpu_attention, "attention", spy)
+    hook = llama.scaled_dot_product_attention
+    query = mx.random.normal((1, 9, 1, 64))
+    num_long = DEFAULT_MIN_SCORES // 9 + 1
+    with model_hooks.cpu_kernels_on_this_thread():
+        for num_keys in (200, num_long):
+            keys, values = mx.random.normal((1, 3, num_keys, 64)), mx.random.normal((1, 3, num_keys, 64))
+            out = hook(query, keys, values, None, scale=0.125, mask=None)
+            expected = mx.fast.scaled_dot_product_attention(query, keys, values, scale=0.125, mask=None)
+            np.testing.assert_allclose(np.array(out), np.array(expected), rtol=1e-4, atol=2e-5)
+    assert ours == [(1, 3, num_long, 64)]
 
 
 def test_the_hook_uses_our_attention_only_on_the_thread_that_enables_it(hooked_model: Any) -> None:

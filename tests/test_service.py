@@ -87,7 +87,10 @@ def _serve_settings(serve_flags: list[str]) -> dict[str, object]:
         [sys.executable, "-m", "semantic.cli", "config", *serve_flags],
         capture_output=True, text=True, check=True, cwd=ROOT,
     )  # fmt: skip
-    pairs = (line.split("  # ")[0].split(" = ", 1) for line in proc.stdout.splitlines())
+    settings = (
+        line for line in proc.stdout.splitlines() if not line.startswith("#")
+    )  # the last: the profile
+    pairs = (line.split("  # ")[0].split(" = ", 1) for line in settings)
     return {key: eval(value) for key, value in pairs}  # values are printed as Python reprs
 
 

@@ -101,9 +101,12 @@ class GivenLogits:
 class FoldingBatchGenerator(BatchGenerator):
     """mlx-lm's BatchGenerator, but a lone prompt's last chunk carries its last token."""
 
-    def __init__(self, model: Any, *, head: LastPositionHead, **kwargs: Any) -> None:
+    def __init__(
+        self, model: Any, *, head: LastPositionHead, joining_cache: bool = True, **kwargs: Any
+    ) -> None:
         super().__init__(model, **kwargs)
         self._head = head
+        self._joining_cache = joining_cache
         # Prompts whose cache is read where the prefill stops before the last token (a recurrent
         # model's state where the prompt ends): the last token runs as a step of its own.
         self.unfolded_uids: set[int] = set()
@@ -151,7 +154,8 @@ class FoldingBatchGenerator(BatchGenerator):
     def _join(self, generation: GenerationBatch) -> None:
         """Prompts that ended their prefill join the decode batch, whose caches copy each history
         once when sequences join or leave (`batch_joins.py`)."""
-        generation.prompt_cache = [JoiningBatchKVCache.adopt(c) for c in generation.prompt_cache]
+        if self._joining_cache:
+            generation.prompt_cache = [JoiningBatchKVCache.adopt(c) for c in generation.prompt_cache]
         self._generation_batch.extend(generation)
 
     def _count_decode_step(self, tic: float, num_tokens: int) -> None:
@@ -266,9 +270,11 @@ def fold_head(model: Any, foldable: bool) -> LastPositionHead | None:
     return last_position_head(model)
 
 
-def make_batch_generator(model: Any, head: LastPositionHead | None, **kwargs: Any) -> BatchGenerator:
-    """A generator that folds each lone prompt's last token into its last chunk given a head, else
-    mlx-lm's own."""
+def make_batch_generator(
+    model: Any, head: LastPositionHead | None, joining_cache: bool = True, **kwargs: Any
+) -> BatchGenerator:
+    """A generator that folds each lone prompt's last token into its last chunk given a head (its
+    decode batch's caches joining at one copy with `joining_cache`), else mlx-lm's own."""
     if head is None:
         return BatchGenerator(model, **kwargs)
-    return FoldingBatchGenerator(model, head=head, **kwargs)
+    return FoldingBatchGenerator(model, head=head, joining_cache=joining_cache, **kwargs)

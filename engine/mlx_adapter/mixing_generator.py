@@ -30,22 +30,31 @@ from semantic.engine.mlx_adapter.mixed_step import MixedForward, mixed_forward_f
 
 class GeneratorFactory:
     """Makes a model's batch generators (a new one after a failed step): mixing where the model
-    packs, else folding where its head splits, else mlx-lm's own. The head and the packed pass are
-    set up once, on the engine's stream."""
+    packs, else folding where its head splits, else mlx-lm's own, as the backend profile chose. The
+    head and the packed pass are set up once, on the engine's stream."""
 
     def __init__(
-        self, model: Any, stream: mx.Stream, *, foldable: bool, mixed_step: bool, **options: Any
+        self,
+        model: Any,
+        stream: mx.Stream,
+        *,
+        fold: bool,
+        mixed_step: bool,
+        joining_cache: bool,
+        **options: Any,
     ) -> None:
         self._model = model
         self._options = {**options, "stream": stream}
+        self._joining_cache = joining_cache
         with mx.stream(stream):
-            self.head: LastPositionHead | None = fold_head(model, foldable)
+            self.head: LastPositionHead | None = fold_head(model, fold)
             self.mixed: MixedForward | None = mixed_forward_for(model, self.head) if mixed_step else None
 
     def __call__(self) -> BatchGenerator:
+        joining = self._joining_cache
         if self.mixed is not None and self.head is not None:  # packing folds with the same head
-            return MixingBatchGenerator(self._model, mixed=self.mixed, **self._options)
-        return make_batch_generator(self._model, self.head, **self._options)
+            return MixingBatchGenerator(self._model, mixed=self.mixed, joining_cache=joining, **self._options)
+        return make_batch_generator(self._model, self.head, joining_cache=joining, **self._options)
 
 
 class MixingBatchGenerator(FoldingBatchGenerator):

@@ -44,10 +44,11 @@ _engine_thread = threading.local()
 
 
 @contextmanager
-def cpu_kernels_on_this_thread() -> Iterator[None]:
-    """Let the installed hooks use our kernels on the calling thread (the engine thread) only."""
+def cpu_kernels_on_this_thread(enabled: bool = True) -> Iterator[None]:
+    """Let the installed hooks use our kernels on the calling thread (the engine thread) only, where
+    the backend profile has them on (`enabled`); elsewhere the hooks are mlx-lm's functions."""
     previous = getattr(_engine_thread, "enabled", False)
-    _engine_thread.enabled = True
+    _engine_thread.enabled = enabled
     try:
         yield
     finally:
@@ -126,7 +127,8 @@ def _attention_hook(original: Callable[..., mx.array], cpu_kernels: bool) -> Cal
     ) -> mx.array:
         def attend(queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Any) -> Any:
             ours = cpu_kernels and _on_engine_thread() and sinks is None and not hasattr(cache, "bits")
-            if not (ours and cpu_attention.supports(queries, keys, values, mask)):
+            supported = ours and cpu_attention.supports(queries, keys, values, mask)
+            if not (supported and cpu_attention.worth_using(queries, keys)):
                 return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
             mask = _known_mask(mask, queries.shape[2], keys.shape[2])
             second = _second_cpu_stream() if cpu_attention.worth_splitting(queries, keys) else None
@@ -160,12 +162,14 @@ def _install(name: str, original: Any, hook: Any, home: Any, description: str) -
             logger.info("{}: {} on the engine thread", module_name, description)
 
 
-def install_kernel_hooks() -> bool:
-    """Hook attention into every imported mlx-lm model module that uses mlx-lm's own (packed passes
-    need it on every backend), and on the CPU SwiGLU too, with our kernels; True if the CPU kernels
-    are on. Call after loading a model (its module is then imported), on the engine thread.
-    `SEMANTIC_NO_FAST_ATTENTION` keeps mlx-lm's own kernels."""
-    cpu_kernels = mx.default_device() == mx.cpu and not os.environ.get("SEMANTIC_NO_FAST_ATTENTION")
+def install_kernel_hooks(cpu_kernels: bool = True, packed_passes: bool = True) -> bool:
+    """Hook attention into every imported mlx-lm model module that uses mlx-lm's own where packed
+    passes need it, and with `cpu_kernels` (on the CPU only) SwiGLU and the masks too; True if the
+    CPU kernels are on. Call after loading a model (its module is then imported), on the engine
+    thread. Neither: nothing is installed, every module keeps mlx-lm's functions."""
+    cpu_kernels = cpu_kernels and mx.default_device() == mx.cpu
+    if not (cpu_kernels or packed_passes):
+        return False
     original_attention = base.scaled_dot_product_attention
     attention = _attention_hook(original_attention, cpu_kernels)
     description = cpu_attention.describe() if cpu_kernels else "packed passes attended per group"
