@@ -18,6 +18,8 @@ from typing import Literal
 
 import msgspec
 
+from semantic.launch import FAST_BLAS_MARKER
+
 DeviceKind = Literal["cpu", "metal", "cuda"]
 
 # Prefill sizes by device: one prompt at a time in 512-token chunks on the CPU, where prefill is
@@ -139,5 +141,5 @@ def choose_profile(choices: BackendChoices | None = None, device: DeviceKind | N
         prefill_step_size=step_size,
         short_turn_tokens=short_turn,
         heap_reserve_mb=heap if linux_cpu else 0,
-        fast_blas=on_cpu and bool(os.environ.get("SEMANTIC_FAST_BLAS")),
+        fast_blas=on_cpu and bool(os.environ.get(FAST_BLAS_MARKER)),
     )

@@ -40,7 +40,7 @@ from typing import Literal
 Backend = Literal["cpu", "metal", "cuda"]
 LaunchDevice = Literal["cpu", "gpu"]
 
-_DONE_MARKER = "SEMANTIC_FAST_BLAS"
+FAST_BLAS_MARKER = "SEMANTIC_FAST_BLAS"  # set in the environment once OpenBLAS is preloaded
 _OPT_OUT = "SEMANTIC_NO_FAST_BLAS"
 # One arena: glibc gives other threads arenas of 64 MB heaps that map and unmap what outgrows them,
 # so on the engine thread (not the main one) those arrays paid the page faults all the same (an
@@ -177,7 +177,7 @@ def fast_blas_env(
     env = dict(os.environ if environ is None else environ)
     if not sys.platform.startswith("linux") or env.get(_OPT_OUT):
         return None
-    if env.get(_DONE_MARKER):  # preloaded already (a launcher above us); a group rank may still need
+    if env.get(FAST_BLAS_MARKER):  # preloaded already (a launcher above us); a group rank may still need
         return _with_blas_threads(env) if "OPENBLAS_NUM_THREADS" not in env else None  # its threads
     mlx_dir = mlx_package_dir(search_path)
     if mlx_dir is None:
@@ -203,7 +203,9 @@ def fast_blas_env(
         return {**env, _OPT_OUT: "1"}  # a launcher below us need not look (or warn) again
     preload = [str(libs[0])] + [p for p in env.get("LD_PRELOAD", "").split(":") if p]
     library_path = gfortran_dirs + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
-    env.update(LD_PRELOAD=":".join(preload), LD_LIBRARY_PATH=":".join(library_path), **{_DONE_MARKER: "1"})
+    env.update(
+        LD_PRELOAD=":".join(preload), LD_LIBRARY_PATH=":".join(library_path), **{FAST_BLAS_MARKER: "1"}
+    )
     for variable, value in (MALLOC_TUNING | BLAS_TUNING).items():
         env.setdefault(variable, value)
     return _with_blas_threads(env) or env
@@ -233,7 +235,7 @@ def reexec_with_fast_blas() -> None:
     """Replace this process (the semantic CLI) with itself under OpenBLAS when that helps; return
     otherwise."""
     env = fast_blas_env(argv=sys.argv[1:])
-    if env is not None and env.get(_DONE_MARKER):
+    if env is not None and env.get(FAST_BLAS_MARKER):
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
