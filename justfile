@@ -62,6 +62,7 @@ bench:
     {{fast}} {{py}} -m bench.hybrid_resume
     {{fast}} {{py}} -m bench.distributed
     {{fast}} {{py}} -m bench.step_overhead
+    {{fast}} {{py}} -m bench.speculative_edit
 
 # Only the multi-agent replay against mlx_lm.server (pass e.g. --agents 1 4).
 bench-replay *ARGS:

@@ -35,6 +35,7 @@ from semantic.engine.prefill_budget import PrefillBudget, per_prompt_chunk
 from semantic.engine.running import RunningSequences
 from semantic.engine.sampling import make_processors, make_sampler
 from semantic.engine.sequence import Sequence, SetAside
+from semantic.engine.speculation import Speculation
 from semantic.engine.text_stream import reply_text_stream
 from semantic.engine.token_logprobs import TokenTexts
 
@@ -56,6 +57,9 @@ class Batch:
         self._config = config
         self._stats = stats
         self._outbox = outbox
+        # Drafts verified in the decode batch's pass; not in a group, whose ranks step in lockstep.
+        on = config.profile.speculate == "ngram" and loaded.layout is None
+        self.speculation = Speculation() if on else None
         # No stop tokens and (at insert) a token limit past the request's: the batch ends every
         # sequence itself (`_end`), reading its cache as views rather than as the copy of the whole
         # sequence that the generator makes of the sequences it ends.
@@ -66,6 +70,7 @@ class Batch:
             fold=config.profile.last_token_fold and loaded.layout is None,
             mixed_step=config.profile.mixed_step,
             joining_cache=config.profile.joining_cache,
+            speculation=self.speculation,
             completion_batch_size=config.max_batch_size,
             prefill_batch_size=config.num_prefilled_together,
             prefill_step_size=config.num_tokens_per_prefill_step,
@@ -126,6 +131,7 @@ class Batch:
             )
             if len(request.prompt_tokens) - 1 in checkpoints:
                 self._unfolded_uids.add(uid)
+            self._may_draft(uid, request, processors)
         except BaseException:
             self._pool.free(reserved)
             raise
@@ -209,6 +215,7 @@ class Batch:
         if views is None:
             return None
         self._generator.remove([uid])
+        self._stop_drafting(uid)
         return SetAside(self.running.take(uid), views)
 
     def resume(self, aside: SetAside) -> None:
@@ -222,9 +229,24 @@ class Batch:
             logger.exception("could not resume request {}", sequence.request.request_id)
             self.running.fail(sequence, EngineError(f"resuming the prefill failed: {error}"))
             return
+        self._may_draft(uid, sequence.request, sequence.logits_processors)
         sequence.prefill_offset = num_in_cache - sequence.num_cached_tokens
         sequence.num_left_to_prefill = len(sequence.request.prompt_tokens) - num_in_cache
         self.running.add(uid, sequence)
+
+    def _may_draft(self, uid: int, request: GenerationRequest, processors: list[Any]) -> None:
+        if self.speculation is not None:
+            self.speculation.add(uid, request.prompt_tokens, request.sampling, bool(processors))
+
+    def _stop_drafting(self, uid: int) -> None:
+        """A sequence leaves the generator: its drafting counts go with it."""
+        if self.speculation is None:
+            return
+        drafted, accepted = self.speculation.remove(uid)
+        sequence = self.running.get(uid)
+        if sequence is not None:
+            sequence.num_drafted_tokens += drafted
+            sequence.num_accepted_tokens += accepted
 
     def next_chunk(self) -> int:
         """The prompt tokens the next step may prefill for each prompt it prefills (mlx-lm's chunk is
@@ -291,14 +313,18 @@ class Batch:
         held = {uid: kv_seams.sequence_caches(self._generator, uid) for uid in ending}
         self._generator.remove(list(ending))
         for uid, reason in ending.items():
+            self._stop_drafting(uid)
             caches = held[uid]
             if caches is None:
                 self.running.finish(uid, reason)
                 continue
             layer_caches, num_tokens = caches
             running = self.running[uid]
-            # The cache holds every token fed to the model so far: the last one taken may not be yet.
+            # The cache holds every token fed to the model so far: the last one taken may not be yet,
+            # and drafts kept past the token that ended it were fed but never taken.
             tokens = [*running.request.prompt_tokens, *running.generated_token_ids][:num_tokens]
+            if len(tokens) < num_tokens:
+                layer_caches = kv_seams.trimmed(layer_caches, num_tokens - len(tokens))
             self.running.finish(uid, reason, (layer_caches, tokens))
 
     @property
@@ -312,11 +338,14 @@ class Batch:
             if running.request.request_id == request_id:
                 self._unfolded_uids.discard(uid)
                 self._generator.remove([uid])
+                self._stop_drafting(uid)
                 self.running.finish(uid, FinishReason.CANCELLED)
                 return True
         return False
 
     def cancel_all(self) -> None:
+        if self.speculation is not None:
+            self.speculation.clear()
         for uid in self.running.uids():
             self.running.finish(uid, FinishReason.CANCELLED)
 
@@ -324,6 +353,8 @@ class Batch:
         """End every running sequence with `error`; returns how many there were."""
         if self.running:
             self._generator.remove(self.running.uids())
+        if self.speculation is not None:
+            self.speculation.clear()
         return self.running.fail_all(error)
 
     def flush(self) -> None:

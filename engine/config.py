@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from semantic.engine.backend_profile import BackendChoices, BackendProfile, choose_profile
+from semantic.engine.backend_profile import BackendChoices, BackendProfile, Speculate, choose_profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +31,7 @@ class EngineConfig:
     mixed_step: bool | None = None
     last_token_fold: bool | None = None
     joining_cache: bool | None = None
+    speculate: Speculate | None = None  # "off" or "ngram"; None: the device's default
     cpu_kernels: bool | None = None
     exact_numerics: bool = False
     heap_reserve_mb: int | None = None
@@ -55,6 +56,7 @@ class EngineConfig:
             last_token_fold=self.last_token_fold,
             mixed_step=self.mixed_step,
             joining_cache=self.joining_cache,
+            speculate=self.speculate,
             prefill_batch_size=self.prefill_batch_size,
             prefill_step_size=self.prefill_step_size,
             short_turn_tokens=self.short_turn_tokens,

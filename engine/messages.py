@@ -75,6 +75,8 @@ class Finished:
     num_cached_tokens: int
     num_generated_tokens: int
     generated_token_ids: list[int] = field(default_factory=list)
+    num_drafted_tokens: int = 0  # speculative decoding: drafts verified, and those kept
+    num_accepted_tokens: int = 0
 
 
 Event = PromptStarted | PromptProgress | TokenDelta | Finished | BaseException

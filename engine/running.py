@@ -98,12 +98,12 @@ class RunningSequences:
         return ended_prompts
 
     def read_tokens(self, generation_responses: list[Any]) -> dict[int, FinishReason]:
-        """Take each decoding sequence's token (mlx-lm's responses of a step); returns the sequences
-        that end with it, by uid."""
+        """Take each decoding sequence's tokens (mlx-lm's responses of a step, one per token: several
+        where drafts were kept); returns the sequences that end with them, by uid."""
         ending: dict[int, FinishReason] = {}
         for response in generation_responses:
             running = self._by_uid.get(response.uid)
-            if running is None:
+            if running is None or response.uid in ending:  # a verify step's drafts past its end
                 continue
             if running.early_token is None:
                 self._take(running, response.token, response.logprobs)

@@ -44,6 +44,8 @@ class Sequence:
     state_checkpoints: list[int] = field(default_factory=list)
     checkpoints: list[Checkpoint] = field(default_factory=list)
     prompt_state: StatePoint | None = None
+    num_drafted_tokens: int = 0  # speculative decoding's drafts verified for it, and those kept
+    num_accepted_tokens: int = 0
 
     @property
     def num_prefilled(self) -> int:
@@ -97,6 +99,8 @@ class Sequence:
                 self.num_cached_tokens,
                 len(self.generated_token_ids),
                 self.generated_token_ids,
+                self.num_drafted_tokens,
+                self.num_accepted_tokens,
             )
         )
 

@@ -63,6 +63,14 @@ class Metrics:
             registry=r,
         )
         self.generated = Counter("semantic_generated_tokens", "Tokens generated", registry=r)
+        self.drafted = Counter(
+            "semantic_speculative_drafted_tokens",
+            "Drafted tokens verified (speculative decoding)",
+            registry=r,
+        )
+        self.accepted = Counter(
+            "semantic_speculative_accepted_tokens", "Drafted tokens kept (speculative decoding)", registry=r
+        )
         self.prompt_tokens = Counter(
             "semantic_prompt_tokens", "Prompt tokens, reused from a cache or prefilled", ["kind"], registry=r
         )

@@ -38,6 +38,8 @@ class RequestRecord:
     num_prompt_tokens: int = 0
     num_reused_tokens: int = 0
     num_generated_tokens: int = 0
+    num_drafted_tokens: int = 0  # speculative decoding: drafts verified, and those kept
+    num_accepted_tokens: int = 0
     cache_tier: str | None = None
     cache: CacheReport | None = None  # set before the reply's headers go out
     restore: str | None = None  # its agent's cache read from disk or computed again, and the estimates
@@ -123,7 +125,11 @@ def watch(request: web.Request, stream: RequestStream) -> RequestStream:
                 metrics.ttft.labels(record.protocol).observe(record.ttft_s)
         elif isinstance(event, Finished):
             record.num_generated_tokens = event.num_generated_tokens
+            record.num_drafted_tokens = event.num_drafted_tokens
+            record.num_accepted_tokens = event.num_accepted_tokens
             metrics.generated.inc(event.num_generated_tokens)
+            metrics.drafted.inc(event.num_drafted_tokens)
+            metrics.accepted.inc(event.num_accepted_tokens)
             if (
                 record.first_token_at is not None
                 and event.num_generated_tokens > 1
@@ -207,6 +213,8 @@ def _log_summary(request: web.Request, record: RequestRecord, status: int, durat
         prompt_tokens=record.num_prompt_tokens,
         reused_tokens=record.num_reused_tokens,
         generated_tokens=record.num_generated_tokens,
+        drafted_tokens=record.num_drafted_tokens,
+        accepted_tokens=record.num_accepted_tokens,
         cache_tier=record.cache_tier,
         cache=record.cache.header() if record.cache is not None else None,
         restore=record.restore,
@@ -216,7 +224,8 @@ def _log_summary(request: web.Request, record: RequestRecord, status: int, durat
         duration_s=round(duration, 4),
         outcome=record.outcome,
     ).info(
-        "{} {} {} protocol={} agent={} prompt={} reused={} generated={} cache={} restore={} handled={}s "
+        "{} {} {} protocol={} agent={} prompt={} reused={} generated={} drafts={}/{} cache={} restore={} "
+        "handled={}s "
         "engine_wait={}s ttft={}s duration={:.3f}s outcome={}",
         request.method,
         request.path,
@@ -226,6 +235,8 @@ def _log_summary(request: web.Request, record: RequestRecord, status: int, durat
         record.num_prompt_tokens,
         record.num_reused_tokens,
         record.num_generated_tokens,
+        record.num_accepted_tokens,
+        record.num_drafted_tokens,
         _cache_text(record.cache),
         record.restore or "-",
         seconds(record.handled_s),

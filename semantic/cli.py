@@ -58,6 +58,7 @@ def _system_config(settings: Settings) -> SystemConfig:
         mixed_step=backend.mixed_step,
         last_token_fold=backend.last_token_fold,
         joining_cache=backend.joining_cache,
+        speculate=backend.speculate,
         cpu_kernels=backend.cpu_kernels,
         exact_numerics=backend.exact_numerics,
         heap_reserve_mb=settings.cache.heap_reserve_mb,

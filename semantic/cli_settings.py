@@ -50,6 +50,12 @@ MODEL_FLAGS = [
         "heap faulted in at start-up and kept through idle trims, on Linux CPU, in MiB (512; 0: none)",
     ),
     ("--device", "backend.device", "where MLX runs: auto (the GPU where there is one), cpu or gpu"),
+    (
+        "--speculate",
+        "backend.speculate",
+        "draft tokens from each reply's own history and verify them in the batch: off or ngram "
+        "(default: off)",
+    ),
     ("--max-batch-size", "engine.max_batch_size", "sequences decoding together"),
     ("--tick-ms", "engine.tick_ms", "shortest engine tick under load, in ms (0: back to back)"),
     (

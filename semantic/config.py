@@ -97,6 +97,7 @@ class BackendSection(_Section):
     last_token_fold: bool | None = None  # a prompt's last token in its last chunk
     mixed_step: bool | None = None  # decode and a prompt's chunk in one forward pass
     joining_cache: bool | None = None  # joins and leaves at one copy of each running row
+    speculate: Literal["off", "ngram"] | None = None  # drafts verified in the batch's pass (n-gram)
 
 
 class LimitsSection(_Section):

@@ -70,6 +70,18 @@ def sequence_caches(generator: BatchGenerator, uid: int) -> tuple[list[Any], int
     return layers, next(int(c.offset) for c in layers if not isinstance(c, ArraysCache))
 
 
+def trimmed(layers: list[Any], num_tokens: int) -> list[Any]:
+    """Views of `layers` (full-attention views, as `sequence_caches` reads them) without their last
+    `num_tokens` tokens."""
+    cut = []
+    for layer in layers:
+        view = KVCache()
+        end = layer.offset - num_tokens
+        view.keys, view.values, view.offset = layer.keys[..., :end, :], layer.values[..., :end, :], end
+        cut.append(view)
+    return cut
+
+
 def _sequence_view(layer: Any, index: int) -> KVCache:
     """Sequence `index` of a BatchKVCache as a KVCache viewing its arrays: what `extract` copies."""
     padding = int(layer.left_padding[index].item())

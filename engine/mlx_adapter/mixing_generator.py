@@ -26,6 +26,8 @@ from semantic.engine.mlx_adapter.last_token_fold import (
     make_batch_generator,
 )
 from semantic.engine.mlx_adapter.mixed_step import MixedForward, mixed_forward_for
+from semantic.engine.mlx_adapter.speculative_batch import speculative
+from semantic.engine.speculation import Speculation
 
 
 class GeneratorFactory:
@@ -41,9 +43,11 @@ class GeneratorFactory:
         fold: bool,
         mixed_step: bool,
         joining_cache: bool,
+        speculation: Speculation | None = None,
         **options: Any,
     ) -> None:
         self._model = model
+        self._speculation = speculation
         self._options = {**options, "stream": stream}
         self._joining_cache = joining_cache
         with mx.stream(stream):
@@ -52,9 +56,17 @@ class GeneratorFactory:
 
     def __call__(self) -> BatchGenerator:
         joining = self._joining_cache
+        generator: BatchGenerator
         if self.mixed is not None and self.head is not None:  # packing folds with the same head
-            return MixingBatchGenerator(self._model, mixed=self.mixed, joining_cache=joining, **self._options)
-        return make_batch_generator(self._model, self.head, joining_cache=joining, **self._options)
+            generator = MixingBatchGenerator(
+                self._model, mixed=self.mixed, joining_cache=joining, **self._options
+            )
+        else:
+            generator = make_batch_generator(self._model, self.head, joining_cache=joining, **self._options)
+        if self._speculation is not None:
+            self._speculation.clear()  # a new generator: the old one's sequences are gone
+            generator = speculative(generator, self._speculation)
+        return generator
 
 
 class MixingBatchGenerator(FoldingBatchGenerator):

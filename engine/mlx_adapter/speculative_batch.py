@@ -1,0 +1,236 @@
+"""mlx-lm's decode batch, with drafted tokens verified in its forward pass (speculative decoding).
+
+On a step where some sequences have drafts (`engine/speculation.py`), every row is fed its pending
+token and its drafts, right-padded to the longest: one forward pass of B x T tokens reads the
+weights once, as a one-token step does. Each row then keeps the drafts its own logits confirm:
+greedy rows the leading drafts that are the argmax, sampled rows by the standard rejection rule
+(a draft x is kept with probability p(x), a rejected one replaced by a draw from p without x), so a
+reply is what it would have been without drafts. Every row also gets its next token from the
+position after its last kept one, as from a one-token step.
+
+mlx-lm's batch cache holds every row right-aligned at one shared write index, so rows that kept
+different numbers of tokens cannot all end there: the cache is trimmed by what every row rejected
+(free), and each row that rejected more has its history moved right by the difference, its left
+padding growing by as much (`realign`: a copy of that row alone; where one row drafts, none moves).
+
+Responses are mlx-lm's: one per token fed, in order, so a row that kept three drafts answers four
+times in one step. Any step without drafts, or whose logits were computed elsewhere (the packed
+pass of `mixed_step.py`), is mlx-lm's own step. Written against mlx-lm 0.32.2's `GenerationBatch`
+(`_next_tokens`, `_next_logprobs`, `_token_context`, `_num_tokens`, `_matchers`, `tokens`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch
+
+from semantic.engine.mlx_adapter.kv_seams import PLAIN_BATCH_CACHES
+from semantic.engine.mlx_adapter.last_token_fold import GivenLogits
+from semantic.engine.speculation import Speculation
+
+
+def _ints(array: mx.array) -> list[int]:
+    return [int(v) for v in array.tolist()]  # type: ignore[union-attr, arg-type]
+
+
+def _floats(array: mx.array) -> list[float]:
+    return [float(v) for v in array.tolist()]  # type: ignore[union-attr, arg-type]
+
+
+class SpeculativeGenerationBatch(GenerationBatch):
+    speculation: Speculation | None = None  # set by the engine's batch; None: mlx-lm's steps only
+    num_verify_steps = 0
+
+    def next(self) -> list[GenerationBatch.Response]:
+        planned = self._plan()
+        if planned is None:
+            responses = super().next()
+            self._note_fed(responses)
+            return responses
+        pending, drafts = planned
+        return self._verify(pending, drafts)
+
+    def _note_fed(self, responses: list[GenerationBatch.Response]) -> None:
+        if self.speculation is not None:
+            for response in responses:
+                self.speculation.fed(response.uid, [response.token])
+
+    def _plan(self) -> tuple[list[int], list[list[int]]] | None:
+        """Each row's pending token and drafts, where any row drafts this step; else None."""
+        speculation = self.speculation
+        if speculation is None or not self.uids or isinstance(self.model, GivenLogits):
+            return None
+        if not all(type(layer) in PLAIN_BATCH_CACHES for layer in self.prompt_cache):
+            return None  # a sliding window or a recurrent state cannot take back rejected tokens
+        wanted = []
+        for index, uid in enumerate(self.uids):
+            drafting = speculation.get(uid)
+            room = self.max_tokens[index] - self._num_tokens[index] - 1  # the last token is never a draft
+            wanted.append(0 if drafting is None else min(drafting.length.wanted(), room))
+        if not any(k > 0 for k in wanted):
+            return None
+        pending = _ints(self._next_tokens)  # waits for the last step's tokens: drafts follow them
+        drafts = []
+        for uid, token, k in zip(self.uids, pending, wanted, strict=True):
+            drafting = speculation.get(uid)
+            drafts.append(drafting.drafter.propose(token, k) if drafting is not None and k > 0 else [])
+        if not any(drafts):
+            return None
+        return pending, drafts
+
+    def _verify(self, pending: list[int], drafts: list[list[int]]) -> list[GenerationBatch.Response]:
+        assert self.speculation is not None
+        width = 1 + max(len(d) for d in drafts)
+        rows = [
+            [token, *d, *[token] * (width - 1 - len(d))] for token, d in zip(pending, drafts, strict=True)
+        ]
+        inputs = mx.array(rows, dtype=self._next_tokens.dtype)
+        logits = self.model(inputs, cache=self.prompt_cache)  # (B, width, vocab)
+        kept, next_tokens, next_logprobs, kept_logprobs = [], [], [], []
+        for index, row_drafts in enumerate(drafts):
+            row_logits = logits[index]
+            if row_drafts:
+                num_kept, token, logprobs = self._keep(index, row_drafts, row_logits)
+            else:
+                num_kept, (token, logprobs) = 0, self._sample_alone(index, inputs[index, :1], row_logits[:1])
+            kept.append(num_kept)
+            next_tokens.append(token)
+            next_logprobs.append(logprobs[num_kept])
+            kept_logprobs.append(logprobs)
+        realign(self.prompt_cache, [width - 1 - k for k in kept])
+        self.num_verify_steps += 1
+
+        fed = [[token, *d[:k]] for token, d, k in zip(pending, drafts, kept, strict=True)]
+        fed_logprobs = [
+            [self._next_logprobs[index], *[kept_logprobs[index][j] for j in range(k)]]
+            for index, k in enumerate(kept)
+        ]
+        for uid, row_drafts, num_kept in zip(self.uids, drafts, kept, strict=True):
+            if row_drafts:
+                self.speculation.observe(uid, len(row_drafts), num_kept)
+        self._current_tokens = self._next_tokens  # type: ignore[assignment]
+        self._current_logprobs = self._next_logprobs
+        self._next_tokens = mx.array(next_tokens, dtype=self._next_tokens.dtype)
+        self._next_logprobs = next_logprobs
+        return self._respond(fed, fed_logprobs)
+
+    def _keep(self, index: int, drafts: list[int], logits: mx.array) -> tuple[int, int, mx.array]:
+        """How many of a drafting row's drafts its logits confirm, its next token and each position's
+        log-probabilities."""
+        drafting = self.speculation.get(self.uids[index]) if self.speculation is not None else None
+        assert drafting is not None
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if drafting.temperature == 0.0:
+            best = _ints(mx.argmax(logprobs, axis=-1))
+            num_kept = 0
+            while num_kept < len(drafts) and drafts[num_kept] == best[num_kept]:
+                num_kept += 1
+            return num_kept, best[num_kept], logprobs
+        return (*keep_sampled(drafts, logprobs * (1.0 / drafting.temperature)), logprobs)
+
+    def _sample_alone(self, index: int, token: mx.array, logits: mx.array) -> tuple[int, mx.array]:
+        """A row without drafts: its next token as mlx-lm's step samples it (its processors, then its
+        sampler) from the logits at its pending token."""
+        processors = (self.logits_processors[index] if self.logits_processors else None) or ()
+        if processors:
+            context = self._token_context[index].update_and_fetch(token)
+            for processor in processors:
+                logits = processor(context, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampler = (self.samplers[index] if self.samplers else None) or self.fallback_sampler
+        return _ints(sampler(logprobs))[0], logprobs
+
+    def _respond(
+        self, fed: list[list[int]], fed_logprobs: list[list[mx.array]]
+    ) -> list[GenerationBatch.Response]:
+        """mlx-lm's responses, one per token fed; a row that ends part-way drops the rest of its tokens
+        (its cache then holds more than it answered: trimmed where it is extracted)."""
+        assert self.speculation is not None
+        keep, responses = [], []
+        for index, (uid, tokens) in enumerate(zip(self.uids, fed, strict=True)):
+            self.speculation.fed(uid, tokens)
+            finish_reason = None
+            for position, token in enumerate(tokens):
+                self._num_tokens[index] += 1
+                if self._num_tokens[index] >= self.max_tokens[index]:
+                    finish_reason = "length"
+                if self._matchers[index].advance(token):
+                    finish_reason = "stop"
+                if finish_reason is None:
+                    responses.append(
+                        self.Response(uid, token, fed_logprobs[index][position], None, None, None)
+                    )
+                    continue
+                unanswered = len(tokens) - 1 - position
+                self.tokens[index].extend(tokens[: position + 1])
+                cache = self.extract_cache(index)
+                for layer in cache:
+                    layer.trim(unanswered)
+                responses.append(
+                    self.Response(
+                        uid, token, fed_logprobs[index][position], finish_reason, cache, self.tokens[index]
+                    )
+                )
+                break
+            if finish_reason is None:
+                self.tokens[index].extend(tokens)
+                keep.append(index)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+
+def keep_sampled(drafts: list[int], scaled: mx.array) -> tuple[int, int]:
+    """Speculative sampling with drafts that are certain (n-gram lookups): draft j is kept with
+    probability p_j(draft) and a rejected one is replaced by a draw from p_j without it, so the
+    tokens are distributed as draws from p would be. `scaled`: (len(drafts) + 1, vocab) logits over
+    the temperature. Returns how many were kept and the token after them."""
+    probs = mx.softmax(scaled, axis=-1)
+    chances = _floats(probs[mx.arange(len(drafts)), mx.array(drafts)])
+    draws = _floats(mx.random.uniform(shape=(len(drafts),)))
+    for position, (chance, draw) in enumerate(zip(chances, draws, strict=True)):
+        if draw >= chance:
+            without = mx.where(mx.arange(scaled.shape[-1]) == drafts[position], -mx.inf, scaled[position])
+            return position, _ints(mx.random.categorical(without[None]))[0]
+    return len(drafts), _ints(mx.random.categorical(scaled[len(drafts) :]))[0]
+
+
+def realign(caches: list[Any], rejected: list[int]) -> None:
+    """After a verify step wrote `width` positions for every row, take back each row's `rejected`
+    last ones: trim what every row rejected, then move each row that rejected more right by the
+    difference (its left padding grows by as much), so every row ends at the shared write index."""
+    common = min(rejected)
+    moves = [r - common for r in rejected]
+    for layer in caches:
+        if common:
+            layer.trim(common)
+        if not any(moves):
+            continue
+        padding = layer.left_padding.tolist()
+        end = layer._idx
+        for name in ("keys", "values"):
+            array = getattr(layer, name)
+            # Copied out first, so that the write below can update the array in place.
+            moved = {
+                row: array[row : row + 1, :, padding[row] : end - move] * 1
+                for row, move in enumerate(moves)
+                if move
+            }
+            mx.eval(*moved.values())
+            for row, history in moved.items():
+                array[row : row + 1, :, padding[row] + moves[row] : end] = history
+            del moved
+        shift = mx.array(moves)
+        layer.left_padding = layer.left_padding + shift
+        layer.offset = layer.offset - shift
+
+
+def speculative(generator: BatchGenerator, speculation: Speculation) -> BatchGenerator:
+    """`generator` with a decode batch that verifies `speculation`'s drafts (before any sequence joins)."""
+    assert len(generator._generation_batch) == 0
+    batch = SpeculativeGenerationBatch.empty(generator.model, generator.sampler)
+    batch.speculation = speculation
+    generator._generation_batch = batch
+    return generator

@@ -1,0 +1,137 @@
+"""Drafts for speculative decoding, looked up in a sequence's own history (prompt lookup / n-grams).
+
+An agent that edits or rewrites a file repeats long runs of its context, so the tokens that followed
+an earlier occurrence of the sequence's last few tokens are likely to come next; the engine verifies
+them in the batch's forward pass. Two pieces, one per sequence:
+- `NgramDrafter` keeps a dict from each n-gram of the history to the position after its latest
+  occurrence, so extending costs O(max_ngram) per token and proposing O(max_ngram + k), whatever the
+  history's length. It follows a copy cursor while the fed tokens agree with it: a file being copied
+  repeats snippets (`    return`) whose latest occurrence lies elsewhere in the file.
+- `DraftLength` picks k from how well drafts did, and turns drafting off (with probes that back off)
+  where they keep failing, so free-form chat does not pay for verifying them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+GROWTH_TOKENS = 2  # grow k by this on a fully accepted draft: from the default 4 to 8 in two steps
+NUM_FAILURES_TO_PAUSE = 3  # one miss is normal at an edit's boundary; three in a row mean no repetition
+FIRST_COOLDOWN_STEPS = 16  # short enough to catch a quoted block a line or so after it starts
+MAX_COOLDOWN_STEPS = 512  # free-form text pays at most one failed 1-token probe per 512 steps
+
+
+class NgramDrafter:
+    """Drafts for one sequence from its own history: the tokens that followed the latest earlier
+    occurrence of its last n tokens (n from max_ngram down to min_ngram)."""
+
+    def __init__(self, tokens: Sequence[int], *, max_ngram: int = 4, min_ngram: int = 2) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
+        self._max_ngram = max_ngram
+        self._min_ngram = min_ngram
+        self._tokens: list[int] = []
+        # An n-gram is indexed only once a token follows it, so a suffix never finds itself.
+        self._ngram_to_next: dict[tuple[int, ...], int] = {}
+        # Where in the history the next token fed is expected to come from; None: no copy under way.
+        self._cursor: int | None = None
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append tokens now part of the sequence, in order (what was fed: pending and accepted drafts)."""
+        history = self._tokens
+        for token in tokens:
+            position = len(history)
+            if self._cursor is not None:
+                assert self._cursor < position, "copy cursor ran into the present: NgramDrafter's bug"
+                self._cursor = self._cursor + 1 if history[self._cursor] == token else None
+            history.append(token)
+            for n in range(self._min_ngram, min(self._max_ngram, position) + 1):
+                self._ngram_to_next[tuple(history[position - n : position])] = position
+
+    def propose(self, pending: int, k: int) -> list[int]:
+        """Up to k tokens expected after the history and `pending` (the token about to be fed); []
+        when k <= 0 or nothing matches. Never runs past the history's end."""
+        if k <= 0:
+            return []
+        start = self._copy_start(pending)
+        if start is None:
+            start = self._lookup(pending)
+            if start is None:
+                return []
+            self._cursor = start - 1  # aligned with pending, which extend() receives first
+        return self._tokens[start : start + k]
+
+    def _copy_start(self, pending: int) -> int | None:
+        """Where drafts continue a copy under way, if pending agrees with it and the source has more."""
+        cursor = self._cursor
+        if cursor is None or self._tokens[cursor] != pending or cursor + 1 >= len(self._tokens):
+            return None
+        return cursor + 1
+
+    def _lookup(self, pending: int) -> int | None:
+        """The position after the latest earlier occurrence of the longest n-gram ending in pending."""
+        history = self._tokens
+        for n in range(min(self._max_ngram, len(history) + 1), self._min_ngram - 1, -1):
+            start = self._ngram_to_next.get((*history[len(history) - n + 1 :], pending))
+            if start is not None:
+                return start
+        return None
+
+
+class DraftLength:
+    """How many tokens to draft for one sequence: grows while drafts are accepted, shrinks when they are
+    not, and falls to 0 (drafting off, then a probe after a cool-down that doubles each time it fails
+    again) where drafts keep failing, so free-form chat does not pay for verification."""
+
+    def __init__(self, *, start: int = 4, most: int = 8) -> None:
+        if not 1 <= start <= most:
+            raise ValueError(f"need 1 <= start <= most, got start={start}, most={most}")
+        self._most = most
+        self._num_tokens = start
+        self._num_failures = 0  # verifies in a row that accepted nothing
+        self._cooldown_steps_left = 0
+        self._next_cooldown_steps = FIRST_COOLDOWN_STEPS
+        self._is_probing = False
+
+    def wanted(self) -> int:
+        """k for this decode step (0: do not draft); call once per step, as it counts a cool-down down."""
+        if self._cooldown_steps_left > 0:
+            self._cooldown_steps_left -= 1
+            return 0
+        return 1 if self._is_probing else self._num_tokens
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """Record a verify of num_drafted > 0 drafts of which the first num_accepted were accepted."""
+        if not 0 <= num_accepted <= num_drafted or num_drafted <= 0:
+            raise ValueError(f"need 0 <= accepted <= drafted, drafted > 0; got {num_accepted}/{num_drafted}")
+        if self._is_probing:
+            if num_accepted == 0:
+                self._pause()
+                return
+            # Repetition is back: grow again from the probe's length, and back off from scratch later.
+            self._is_probing = False
+            self._num_tokens = 1
+            self._next_cooldown_steps = FIRST_COOLDOWN_STEPS
+        if num_accepted == num_drafted:
+            self._num_failures = 0
+            self._num_tokens = min(self._most, self._num_tokens + GROWTH_TOKENS)
+            return
+        # Halfway to what would have just sufficed: a copy's runs vary, one short run is no trend.
+        shrunk = max(num_accepted + 1, (self._num_tokens + num_accepted + 1) // 2)
+        self._num_tokens = min(self._most, shrunk)
+        if num_accepted > 0:
+            self._num_failures = 0
+            return
+        self._num_failures += 1
+        if self._num_failures >= NUM_FAILURES_TO_PAUSE:
+            self._pause()
+
+    def _pause(self) -> None:
+        self._num_failures = 0
+        self._is_probing = True
+        self._cooldown_steps_left = self._next_cooldown_steps
+        self._next_cooldown_steps = min(MAX_COOLDOWN_STEPS, 2 * self._next_cooldown_steps)

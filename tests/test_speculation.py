@@ -1,0 +1,76 @@
+"""Speculative decoding in the running batch: greedy replies equal those without drafts, token for
+token, with several sequences in the batch (rows that keep different numbers of drafts realigned),
+and the drafts verified and kept are counted per request."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from semantic.engine.commands import Submit
+from semantic.engine.config import EngineConfig, EngineStats
+from semantic.engine.messages import EventChannel, Finished, GenerationRequest
+from semantic.engine.outbox import Outbox
+from semantic.engine.runtime import Runtime
+from semantic.engine.sampling import SamplingParams
+
+CODE = "\n".join(f"def function_{i}(x, y):\n    total = x + y + {i}\n    return total\n" for i in range(6))
+REQUESTS = [
+    f"Here is a Python file:\n```python\n{CODE}```\nReturn the whole file, renaming function_3 to add_three.",
+    "Write a short poem about the sea.",
+    f"Repeat this code exactly:\n{CODE}",
+]
+
+
+def _replies(model_dir: Path, speculate: str, max_tokens: int = 48) -> list[Finished]:
+    loop = asyncio.new_event_loop()
+    try:
+        outbox = Outbox(loop)
+        config = EngineConfig(model=str(model_dir), cache_budget_mb=256, speculate=speculate)  # type: ignore[arg-type]
+        runtime = Runtime.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox)
+        submits = []
+        for text in REQUESTS:
+            messages = [{"role": "user", "content": text}]
+            prompt = list(runtime.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            sampling = SamplingParams(max_tokens=max_tokens, temperature=0)
+            submit = Submit(GenerationRequest(uuid.uuid4().hex, prompt, sampling, None), EventChannel(loop))
+            runtime.batch.insert(
+                submit, runtime.pool.allocate(runtime.loaded.spec.num_blocks_for(len(prompt) + max_tokens))
+            )
+            submits.append(submit)
+        finished: dict[int, Finished] = {}
+        for _ in range(20 * max_tokens):
+            if len(finished) == len(submits):
+                break
+            runtime.batch.step()
+            runtime.batch.flush()
+            runtime.batch.keep_caches()
+            outbox.flush()
+            loop.run_until_complete(asyncio.sleep(0))
+            for index, submit in enumerate(submits):
+                while not submit.events.queue.empty():
+                    event = submit.events.queue.get_nowait()
+                    assert not isinstance(event, BaseException), event
+                    if isinstance(event, Finished):
+                        finished[index] = event
+        assert len(finished) == len(submits), "the requests did not finish"
+        return [finished[index] for index in range(len(submits))]
+    finally:
+        loop.close()
+
+
+def test_greedy_replies_equal_without_drafts(default_model_dir: Path) -> None:
+    if mx.default_device() != mx.cpu:
+        pytest.skip("compares against the CPU's own replies")
+    plain = _replies(default_model_dir, "off")
+    drafted = _replies(default_model_dir, "ngram")
+    assert [f.generated_token_ids for f in drafted] == [f.generated_token_ids for f in plain]
+    assert all(f.num_drafted_tokens == 0 for f in plain)
+    assert sum(f.num_drafted_tokens for f in drafted) > 0, "nothing was drafted: the test checks nothing"
+    assert sum(f.num_accepted_tokens for f in drafted) > 0
+    for f in drafted:
+        assert 0 <= f.num_accepted_tokens <= f.num_drafted_tokens
