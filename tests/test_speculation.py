@@ -74,3 +74,22 @@ def test_greedy_replies_equal_without_drafts(default_model_dir: Path) -> None:
     assert sum(f.num_accepted_tokens for f in drafted) > 0
     for f in drafted:
         assert 0 <= f.num_accepted_tokens <= f.num_drafted_tokens
+
+
+def test_sampled_drafts_keep_the_distribution() -> None:
+    """The rejection rule with a certain draft: the first token is distributed as a draw from p would
+    be, whichever token was drafted (a fixed seed: the same draws every run)."""
+    from semantic.engine.mlx_adapter.speculative_batch import keep_sampled
+
+    mx.random.seed(7)
+    probabilities = [0.5, 0.3, 0.15, 0.05]
+    scaled = mx.log(mx.array([probabilities, probabilities]))  # two positions: one draft, then the next
+    num_trials = 4000
+    for draft in (0, 2, 3):
+        counts = [0] * len(probabilities)
+        for _ in range(num_trials):
+            num_kept, after = keep_sampled([draft], scaled)
+            counts[draft if num_kept == 1 else after] += 1
+        for count, expected in zip(counts, probabilities, strict=True):
+            assert abs(count / num_trials - expected) < 0.03, (draft, counts)
+        assert counts[draft] > 0
