@@ -76,10 +76,6 @@ class Speculation:
     def get(self, uid: int) -> Drafting | None:
         return self._by_uid.get(uid)
 
-    def counts(self, uid: int) -> tuple[int, int]:
-        drafting = self._by_uid.get(uid)
-        return (0, 0) if drafting is None else (drafting.num_drafted, drafting.num_accepted)
-
     def fed(self, uid: int, tokens: Sequence[int]) -> None:
         """Tokens that went into the sequence's cache this step (its drafter's history)."""
         drafting = self._by_uid.get(uid)

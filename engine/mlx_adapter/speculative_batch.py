@@ -41,7 +41,6 @@ def _floats(array: mx.array) -> list[float]:
 
 class SpeculativeGenerationBatch(GenerationBatch):
     speculation: Speculation | None = None  # set by the engine's batch; None: mlx-lm's steps only
-    num_verify_steps = 0
 
     def next(self) -> list[GenerationBatch.Response]:
         planned = self._plan()
@@ -100,7 +99,6 @@ class SpeculativeGenerationBatch(GenerationBatch):
             next_logprobs.append(logprobs[num_kept])
             kept_logprobs.append(logprobs)
         realign(self.prompt_cache, [width - 1 - k for k in kept])
-        self.num_verify_steps += 1
 
         fed = [[token, *d[:k]] for token, d, k in zip(pending, drafts, kept, strict=True)]
         fed_logprobs = [
