@@ -21,7 +21,8 @@ import msgspec
 from semantic.launch import FAST_BLAS_MARKER
 
 DeviceKind = Literal["cpu", "metal", "cuda"]
-Speculate = Literal["off", "ngram"]
+# "off", "ngram" (drafts from each reply's own history) or a draft model, named as `--model` is.
+Speculate = str
 
 # Prefill sizes by device: one prompt at a time in 512-token chunks on the CPU, where prefill is
 # compute-bound and a batch only makes every prompt wait for the slowest; mlx-lm's own on a GPU.
@@ -55,8 +56,8 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     last_token_fold: bool  # a lone prompt's last token in its last chunk (mlx_adapter/last_token_fold.py)
     mixed_step: bool  # decode and a prompt's chunk in one pass (mlx_adapter/mixed_step.py)
     joining_cache: bool  # joins and leaves at one copy of each row (mlx_adapter/batch_joins.py)
-    # Drafts from each sequence's own history, verified in the batch's pass (engine/speculation.py):
-    # opt-in (--speculate ngram) until the whole suite has run with it on; bench/speculative_edit.py.
+    # Drafts verified in the batch's pass (engine/speculation.py): n-gram on the CPU, where
+    # bench/speculative_edit.py measures it faster; unmeasured on a GPU, so off there.
     speculate: Speculate
     prefill_batch_size: int
     prefill_step_size: int
@@ -79,6 +80,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
                 ("mixed step", self.mixed_step),
                 ("joining cache", self.joining_cache),
                 ("n-gram speculation", self.speculate == "ngram"),
+                (f"speculation with draft model {self.speculate}", self.speculate not in ("off", "ngram")),
                 ("OpenBLAS", self.fast_blas),
             )
             if on
@@ -144,7 +146,7 @@ def choose_profile(choices: BackendChoices | None = None, device: DeviceKind | N
         and variant(choices.last_token_fold),  # packs with the fold's head
         joining_cache=variant(choices.joining_cache),
         # exact numerics: a verify pass computes a token's logits beside others', not alone
-        speculate="off" if exact else choices.speculate or "off",
+        speculate="off" if exact else choices.speculate or ("ngram" if on_cpu else "off"),
         prefill_batch_size=choices.prefill_batch_size or batch_size,
         prefill_step_size=step_size,
         short_turn_tokens=short_turn,

@@ -50,6 +50,7 @@ class Batch:
         stream: mx.Stream,
         stats: EngineStats,
         outbox: Outbox,
+        speculation: Speculation | None = None,
     ) -> None:
         self._loaded = loaded
         self._pool = pool
@@ -57,9 +58,7 @@ class Batch:
         self._config = config
         self._stats = stats
         self._outbox = outbox
-        # Drafts verified in the decode batch's pass; not in a group, whose ranks step in lockstep.
-        on = config.profile.speculate == "ngram" and loaded.layout is None
-        self.speculation = Speculation() if on else None
+        self.speculation = speculation  # drafts verified in the decode batch's pass; None: none
         # No stop tokens and (at insert) a token limit past the request's: the batch ends every
         # sequence itself (`_end`), reading its cache as views rather than as the copy of the whole
         # sequence that the generator makes of the sequences it ends.

@@ -19,6 +19,7 @@ from semantic.engine.default_model import DEFAULT_MODEL_SAMPLING, ensure_default
 from semantic.engine.distributed import GroupLayout
 from semantic.engine.mlx_adapter.api import load as mlx_lm_load
 from semantic.engine.mlx_adapter.api import sharded_load
+from semantic.engine.model_drafts import check_draft_model
 from semantic.engine.registry import DEFAULT_MODEL_SOURCES, model_name_for
 from semantic.engine.sampling import GenerationDefaults
 from semantic.engine.weights_digest import digests_of
@@ -177,6 +178,17 @@ def load_model(
         generation_defaults=generation_defaults_of(model_dir, is_default_model(source)),
         max_chars_per_token=longest_token_length(tokenizer),
     )
+
+
+def load_draft_model(source: str, main: LoadedModel, default_dtype: str, models_dir: Path | None) -> Any:
+    """A draft model for speculative decoding (`--speculate`), resolved as `--model` is: refused
+    where its tokenizer differs from the main model's or its cache cannot take back drafts."""
+    path = resolve_model_path(source, default_dtype, models_dir)
+    model, tokenizer = mlx_lm_load(path)  # type: ignore[misc]
+    check_draft_model(model, tokenizer, main.tokenizer, source)
+    mx.eval(model.parameters())
+    logger.info("draft model {} drafts for {}", source, main.name)
+    return model
 
 
 def load_shard(path: str, model_dir: Path | None, layout: GroupLayout) -> tuple[Any, Any]:

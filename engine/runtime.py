@@ -29,11 +29,24 @@ from semantic.engine.config import EngineConfig, EngineStats
 from semantic.engine.distributed import Collectives, GroupLayout
 from semantic.engine.eviction import EvictionPolicy
 from semantic.engine.layer_caches import BlockCodec
-from semantic.engine.loading import LoadedModel, load_model
+from semantic.engine.loading import LoadedModel, load_draft_model, load_model
 from semantic.engine.mlx_adapter import checks
 from semantic.engine.mlx_adapter.api import make_prompt_cache, stream_generate
 from semantic.engine.mlx_adapter.model_hooks import install_kernel_hooks
 from semantic.engine.outbox import Outbox
+from semantic.engine.speculation import Speculation, drafter_maker
+
+
+def speculation_for(config: EngineConfig, loaded: LoadedModel) -> Speculation | None:
+    """The batch's drafting, as `backend.speculate` chose (loading a draft model); None where off
+    and in a group, whose ranks step in lockstep."""
+    choice = config.profile.speculate
+    if choice == "off" or loaded.layout is not None:
+        return None
+    draft_model = None
+    if choice != "ngram":
+        draft_model = load_draft_model(choice, loaded, config.default_dtype, config.models_dir)
+    return Speculation(drafter_maker(choice, draft_model, loaded.num_token_ids))
 
 
 @dataclass(slots=True)
@@ -75,7 +88,7 @@ class Runtime:
         model = loaded.model
         policy = EvictionPolicy(pinned_share=config.cache_pinned_share)
         store = AgentCacheStore(spec, pool, lambda: make_prompt_cache(model), codec, policy)
-        batch = Batch(loaded, pool, store, config, stream, stats, outbox)
+        batch = Batch(loaded, pool, store, config, stream, stats, outbox, speculation_for(config, loaded))
         logger.info("{}", config.profile.describe())
         logger.info(
             "loaded {} ({} layers: {}; {} KV heads, head dim {}, {}); "

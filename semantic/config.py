@@ -97,7 +97,8 @@ class BackendSection(_Section):
     last_token_fold: bool | None = None  # a prompt's last token in its last chunk
     mixed_step: bool | None = None  # decode and a prompt's chunk in one forward pass
     joining_cache: bool | None = None  # joins and leaves at one copy of each running row
-    speculate: Literal["off", "ngram"] | None = None  # drafts verified in the batch's pass (n-gram)
+    # Drafts verified in the batch's pass: off, ngram, or a draft model (a folder, a hub id, default).
+    speculate: Annotated[str, Meta(min_length=1, max_length=1024)] | None = None
 
 
 class LimitsSection(_Section):

@@ -50,6 +50,20 @@ def test_settings_choose_each_part_and_exact_numerics_turns_all_off(
         assert getattr(profile, name) is wanted, name
 
 
+@pytest.mark.parametrize("device", ["cpu", "metal", "cuda"])
+def test_speculation_is_n_gram_on_the_cpu_off_on_a_gpu_and_follows_its_setting(device: str) -> None:
+    default = choose_profile(device=device)  # type: ignore[arg-type]
+    assert default.speculate == ("ngram" if device == "cpu" else "off")
+    assert ("n-gram speculation" in default.describe()) is (device == "cpu")
+    for chosen in ("off", "ngram", "mlx-community/Qwen3-0.6B-4bit"):
+        profile = choose_profile(BackendChoices(speculate=chosen), device=device)  # type: ignore[arg-type]
+        assert profile.speculate == chosen
+        exact = choose_profile(BackendChoices(speculate=chosen, exact_numerics=True), device=device)  # type: ignore[arg-type]
+        assert exact.speculate == "off"  # a verify pass computes a token's logits beside others'
+    drafted = choose_profile(BackendChoices(speculate="/models/draft"), device=device)  # type: ignore[arg-type]
+    assert "speculation with draft model /models/draft" in drafted.describe()
+
+
 def test_sizes_follow_settings() -> None:
     profile = choose_profile(
         BackendChoices(prefill_batch_size=4, prefill_step_size=256, short_turn_tokens=0, heap_reserve_mb=0),

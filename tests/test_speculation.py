@@ -1,6 +1,7 @@
 """Speculative decoding in the running batch: greedy replies equal those without drafts, token for
 token, with several sequences in the batch (rows that keep different numbers of drafts realigned),
-and the drafts verified and kept are counted per request."""
+drafted from each reply's history or by a draft model, and the drafts verified and kept are
+counted per request."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ REQUESTS = [
 
 
 def _replies(model_dir: Path, speculate: str, max_tokens: int = 48) -> list[Finished]:
+    return _turns(model_dir, speculate, max_tokens)[0]
+
+
+def _turns(model_dir: Path, speculate: str, max_tokens: int) -> tuple[list[Finished], list[list[int]]]:
+    """Each request's end, and the tokens of the cache its agent keeps."""
     loop = asyncio.new_event_loop()
     try:
         outbox = Outbox(loop)
@@ -37,7 +43,8 @@ def _replies(model_dir: Path, speculate: str, max_tokens: int = 48) -> list[Fini
             messages = [{"role": "user", "content": text}]
             prompt = list(runtime.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
             sampling = SamplingParams(max_tokens=max_tokens, temperature=0)
-            submit = Submit(GenerationRequest(uuid.uuid4().hex, prompt, sampling, None), EventChannel(loop))
+            request = GenerationRequest(uuid.uuid4().hex, prompt, sampling, f"agent-{len(submits)}")
+            submit = Submit(request, EventChannel(loop))
             runtime.batch.insert(
                 submit, runtime.pool.allocate(runtime.loaded.spec.num_blocks_for(len(prompt) + max_tokens))
             )
@@ -58,22 +65,56 @@ def _replies(model_dir: Path, speculate: str, max_tokens: int = 48) -> list[Fini
                     if isinstance(event, Finished):
                         finished[index] = event
         assert len(finished) == len(submits), "the requests did not finish"
-        return [finished[index] for index in range(len(submits))]
+        kept = [runtime.store.agents[f"agent-{index}"].token_ids for index in range(len(submits))]
+        return [finished[index] for index in range(len(submits))], kept
     finally:
         loop.close()
 
 
-def test_greedy_replies_equal_without_drafts(default_model_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def plain_replies(default_model_dir: Path) -> list[Finished]:
     if mx.default_device() != mx.cpu:
         pytest.skip("compares against the CPU's own replies")
-    plain = _replies(default_model_dir, "off")
+    replies = _replies(default_model_dir, "off")
+    assert all(f.num_drafted_tokens == 0 for f in replies)
+    return replies
+
+
+def test_greedy_replies_equal_without_drafts(default_model_dir: Path, plain_replies: list[Finished]) -> None:
     drafted = _replies(default_model_dir, "ngram")
-    assert [f.generated_token_ids for f in drafted] == [f.generated_token_ids for f in plain]
-    assert all(f.num_drafted_tokens == 0 for f in plain)
+    assert [f.generated_token_ids for f in drafted] == [f.generated_token_ids for f in plain_replies]
     assert sum(f.num_drafted_tokens for f in drafted) > 0, "nothing was drafted: the test checks nothing"
     assert sum(f.num_accepted_tokens for f in drafted) > 0
     for f in drafted:
         assert 0 <= f.num_accepted_tokens <= f.num_drafted_tokens
+
+
+def test_drafts_that_reach_the_token_limit_leave_the_agent_s_cache_as_without_drafts(
+    default_model_dir: Path,
+) -> None:
+    """Replies cut at a few tokens, where drafts run to the limit: each agent keeps the cache of
+    exactly the tokens it keeps without drafts (a row the generator ended itself lost its cache)."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("compares against the CPU's own replies")
+    plain, plain_kept = _turns(default_model_dir, "off", max_tokens=6)
+    drafted, drafted_kept = _turns(default_model_dir, "ngram", max_tokens=6)
+    assert [f.generated_token_ids for f in drafted] == [f.generated_token_ids for f in plain]
+    assert drafted_kept == plain_kept
+    assert all(len(tokens) > 6 for tokens in plain_kept)  # each prompt and its reply, or most of it
+    assert sum(f.num_drafted_tokens for f in drafted) > 0, "nothing was drafted: the test checks nothing"
+
+
+def test_greedy_replies_with_a_draft_model_equal_without_drafts(
+    default_model_dir: Path, plain_replies: list[Finished]
+) -> None:
+    """The default model drafting for itself: every reply as without drafts, and (its greedy drafts
+    being the main model's own choices, up to batching's rounding) nearly every draft kept."""
+    drafted = _replies(default_model_dir, str(default_model_dir))
+    assert [f.generated_token_ids for f in drafted] == [f.generated_token_ids for f in plain_replies]
+    num_drafted = sum(f.num_drafted_tokens for f in drafted)
+    num_accepted = sum(f.num_accepted_tokens for f in drafted)
+    assert num_drafted > 48, "too little was drafted: the test checks nothing"
+    assert num_accepted >= 0.8 * num_drafted, (num_accepted, num_drafted)
 
 
 def test_sampled_drafts_keep_the_distribution() -> None:

@@ -66,7 +66,9 @@ class SpeculativeGenerationBatch(GenerationBatch):
         wanted = []
         for index, uid in enumerate(self.uids):
             drafting = speculation.get(uid)
-            room = self.max_tokens[index] - self._num_tokens[index] - 1  # the last token is never a draft
+            # Short of the generator's token limit (the engine's batch sets it one past the request's
+            # and ends the sequence itself, keeping its cache): the step's own token is never a draft.
+            room = self.max_tokens[index] - self._num_tokens[index] - 2
             wanted.append(0 if drafting is None else min(drafting.length.wanted(), room))
         if not any(k > 0 for k in wanted):
             return None
