@@ -183,7 +183,10 @@ def load_model(
 def load_draft_model(source: str, main: LoadedModel, default_dtype: str, models_dir: Path | None) -> Any:
     """A draft model for speculative decoding (`--speculate`), resolved as `--model` is: refused
     where its tokenizer differs from the main model's or its cache cannot take back drafts."""
-    path = resolve_model_path(source, default_dtype, models_dir)
+    try:
+        path = resolve_model_path(source, default_dtype, models_dir)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"the draft model (backend.speculate): {error}") from None
     model, tokenizer = mlx_lm_load(path)  # type: ignore[misc]
     check_draft_model(model, tokenizer, main.tokenizer, source)
     mx.eval(model.parameters())

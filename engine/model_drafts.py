@@ -42,6 +42,20 @@ class ModelDrafter:
         """Append tokens now part of the sequence (what was fed: pending and accepted drafts)."""
         self._history.extend(tokens)
 
+    def guess_next(self) -> int | None:
+        """The draft model's greedy choice after the history (the token the batch is computing as
+        drafts are planned); None while the draft cache is still catching up with a long history."""
+        history = self._history
+        if not history:
+            return None
+        self._take_back_to(min(self._agreement(history), len(history) - 1))  # the last one fed again
+        unfed = history[len(self._cached) :]
+        if len(unfed) > CATCH_UP_TOKENS:
+            self._feed(unfed[:CATCH_UP_TOKENS])
+            return None
+        token = int(mx.argmax(self._feed(unfed), axis=-1))
+        return token if token < self._num_token_ids else None
+
     def propose(self, pending: int, k: int) -> list[int]:
         """Up to k greedy draft tokens after the history and `pending`; [] when k <= 0 or while the
         draft cache is still catching up with a long history."""

@@ -53,8 +53,8 @@ MODEL_FLAGS = [
     (
         "--speculate",
         "backend.speculate",
-        "draft tokens and verify them in the batch: off, ngram (from each reply's own history; the "
-        "default on the CPU) or a draft model with the same tokenizer (a folder or hub id)",
+        "draft tokens and verify them in the batch: off (default), ngram (from each reply's own "
+        "history) or a draft model with the same tokenizer (a folder or hub id)",
     ),
     ("--max-batch-size", "engine.max_batch_size", "sequences decoding together"),
     ("--tick-ms", "engine.tick_ms", "shortest engine tick under load, in ms (0: back to back)"),

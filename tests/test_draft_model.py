@@ -64,7 +64,12 @@ def test_drafts_are_the_greedy_continuation_across_kept_and_rejected_drafts(
     drafter = ModelDrafter(tiny_llama, history, num_token_ids)
     num_drafted = num_rejected = 0
     for _ in range(25):
-        pending, k = rng.randrange(num_token_ids), rng.randrange(1, 7)
+        guess = drafter.guess_next()
+        expected = _greedy_from_nothing(tiny_llama, history, 1, num_token_ids)
+        assert guess == (expected[0] if expected else None)
+        # The token the batch computed: the guess, as a greedy copy of the draft model would, or not.
+        pending = guess if guess is not None and rng.random() < 0.5 else rng.randrange(num_token_ids)
+        k = rng.randrange(1, 7)
         drafts = drafter.propose(pending, k)
         assert drafts == _greedy_from_nothing(tiny_llama, [*history, pending], k, num_token_ids)
         # The batch keeps a leading part of the drafts; the token after them is its own (often not
@@ -87,6 +92,7 @@ def test_a_long_history_is_caught_up_a_chunk_per_step(
     drafter = ModelDrafter(tiny_llama, history, VOCAB)
     # 51 tokens to feed (the history and the pending token): three steps of 16 without drafts.
     assert [drafter.propose(5, 4) for _ in range(3)] == [[], [], []]
+    assert drafter.guess_next() == _greedy_from_nothing(tiny_llama, history, 1, VOCAB)[0]
     assert drafter.propose(5, 4) == _greedy_from_nothing(tiny_llama, [*history, 5], 4, VOCAB)
 
 

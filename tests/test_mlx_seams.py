@@ -95,3 +95,16 @@ def test_families_mlx_lm_cannot_batch_are_refused_with_the_reason(
             checks.check_batchable(StandIn())
     else:
         checks.check_batchable(StandIn())
+
+
+def test_a_decode_batch_that_renamed_its_state_fails_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from semantic.engine.mlx_adapter import speculative_batch
+
+    class Renamed(speculative_batch.GenerationBatch):  # keeps other state than 0.32.2's
+        def __init__(self) -> None:
+            self.uids = self.prompt_cache = self.tokens = self.samplers = []  # type: ignore[var-annotated]
+            self.generated = []  # type: ignore[var-annotated]
+
+    monkeypatch.setattr(speculative_batch, "GenerationBatch", Renamed)
+    with pytest.raises(SeamError, match=r"GenerationBatch keeps `self.fallback_sampler`"):
+        speculative_batch.check_speculative_batch()

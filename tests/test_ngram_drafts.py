@@ -70,6 +70,20 @@ def test_a_fresh_drafter_proposes_what_followed_the_latest_longest_match(
     assert drafter.propose(pending, k) == expected
 
 
+@given(st.lists(small_alphabet, max_size=60), ngram_bounds)
+def test_a_fresh_drafter_guesses_what_followed_the_latest_longest_match_of_its_history(
+    history: list[int], bounds: tuple[int, int]
+) -> None:
+    max_ngram, min_ngram = bounds
+    expected = None
+    for n in range(min(max_ngram, len(history)), min_ngram - 1, -1):
+        starts = [p for p in range(len(history) - 1, n - 1, -1) if history[p - n : p] == history[-n:]]
+        if starts:
+            expected = history[starts[0]]
+            break
+    assert NgramDrafter(history, max_ngram=max_ngram, min_ngram=min_ngram).guess_next() == expected
+
+
 @given(
     st.integers(1, 12).flatmap(lambda top: st.lists(st.integers(0, top), min_size=1, max_size=120)),
     st.integers(1, 6),
@@ -112,6 +126,8 @@ def test_a_file_being_copied_is_drafted_exactly_despite_repeated_snippets(k: int
         if copied + 1 + k > len(source):
             break
         pending = source[copied]
+        if step > 0:  # the copy under way guesses the token the batch is computing
+            assert drafter.guess_next() == pending
         drafts = drafter.propose(pending, k)
         assert drafts == source[copied + 1 : copied + 1 + k], f"step {step} at {copied}"
         plain = NgramDrafter(source + source[:copied]).propose(pending, k)
@@ -185,15 +201,16 @@ def test_draft_length_grows_to_most_and_shrinks_halfway_to_what_sufficed() -> No
         seen.append(k)
         length.observe(k, k)
     assert seen == [4, 6, 8, 8]
-    length.observe(8, 1)
-    assert length.wanted() == 5  # halfway from 8 to the 2 that would have sufficed
-    length.observe(5, 0)
-    assert length.wanted() == 3
-    length.observe(3, 0)
+    length.observe(8, 4)
+    assert length.wanted() == 6  # halfway from 8 to the 5 that would have sufficed
+    length.observe(6, 1)  # less than half kept: a failure
+    assert length.wanted() == 4
+    length.observe(4, 0)
     assert length.wanted() == 2  # two failures in a row: still drafting
-    length.observe(2, 1)  # something accepted: the failures no longer count
+    length.observe(2, 1)  # half or more kept: the failures no longer count
+    assert length.wanted() == 2
     length.observe(2, 0)
-    length.observe(2, 0)
+    length.observe(1, 0)
     assert length.wanted() == 1
 
 

@@ -30,6 +30,9 @@ the load with a SeamError naming the assumption. The pieces (all against mlx-lm 
   decode rows and a prompt chunk in one forward pass on the CPU (~140 ms where two took ~190).
 - `mixed_step`: the packed pass, handing mlx-lm's model layers a cache object of ours
   (`PackedLayerCache`). Why: what makes the mixing generator's one pass possible; probed at load.
+- `speculative_batch`: `SpeculativeGenerationBatch` subclasses `GenerationBatch`, overriding `next`
+  (reads `_next_tokens`, `_next_logprobs`, `_num_tokens`, `_matchers`, `_token_context`) and moves
+  rows inside BatchKVCache's arrays (`realign`). Why: drafts verified in the decode batch's pass.
 - `model_hooks`: replaces the module globals `scaled_dot_product_attention`, `swiglu` and
   `create_causal_mask` in mlx-lm's model modules (attention checked by signature). Why: packed
   passes attend per group on every backend, and the CPU kernels (`cpu_attention`, `cpu_swiglu`).

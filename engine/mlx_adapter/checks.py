@@ -19,6 +19,7 @@ from semantic.engine.mlx_adapter.kv_seams import check_kv_seams
 from semantic.engine.mlx_adapter.model_hooks import check_model_hooks
 from semantic.engine.mlx_adapter.seam_check import WRITTEN_FOR
 from semantic.engine.mlx_adapter.seam_check import SeamError as SeamError
+from semantic.engine.mlx_adapter.speculative_batch import check_speculative_batch
 from semantic.engine.mlx_adapter.tokenizers import check_tokenizer_seams
 
 
@@ -50,6 +51,7 @@ def check_seams(model: Any = None) -> None:
     check_model_hooks()
     check_kv_seams()
     check_tokenizer_seams()
+    check_speculative_batch()
 
 
 # Model families whose mlx-lm code cannot run in a batch (mlx-lm's own BatchGenerator fails the same

@@ -28,6 +28,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 
 from semantic.engine.mlx_adapter.kv_seams import PLAIN_BATCH_CACHES
 from semantic.engine.mlx_adapter.last_token_fold import GivenLogits
+from semantic.engine.mlx_adapter.seam_check import require
 from semantic.engine.speculation import Speculation
 
 
@@ -43,57 +44,51 @@ class SpeculativeGenerationBatch(GenerationBatch):
     speculation: Speculation | None = None  # set by the engine's batch; None: mlx-lm's steps only
 
     def next(self) -> list[GenerationBatch.Response]:
-        planned = self._plan()
-        if planned is None:
+        drafts = self._plan()
+        if drafts is None:
             responses = super().next()
             self._note_fed(responses)
             return responses
-        pending, drafts = planned
-        return self._verify(pending, drafts)
+        return self._verify(drafts)
 
     def _note_fed(self, responses: list[GenerationBatch.Response]) -> None:
         if self.speculation is not None:
             for response in responses:
                 self.speculation.fed(response.uid, [response.token])
 
-    def _plan(self) -> tuple[list[int], list[list[int]]] | None:
-        """Each row's pending token and drafts, where any row drafts this step; else None."""
+    def _plan(self) -> list[list[int]] | None:
+        """Each row's drafts, where any row drafts this step; else None. The token each row gets
+        from the last step is still being computed: drafts follow each drafter's guess at it, so
+        planning never waits for that step (a wrong guess only costs its drafts, all rejected)."""
         speculation = self.speculation
         if speculation is None or not self.uids or isinstance(self.model, GivenLogits):
             return None
         if not all(type(layer) in PLAIN_BATCH_CACHES for layer in self.prompt_cache):
             return None  # a sliding window or a recurrent state cannot take back rejected tokens
-        wanted = []
+        drafts = []
         for index, uid in enumerate(self.uids):
             drafting = speculation.get(uid)
             # Short of the generator's token limit (the engine's batch sets it one past the request's
             # and ends the sequence itself, keeping its cache): the step's own token is never a draft.
             room = self.max_tokens[index] - self._num_tokens[index] - 2
-            wanted.append(0 if drafting is None else min(drafting.length.wanted(), room))
-        if not any(k > 0 for k in wanted):
-            return None
-        pending = _ints(self._next_tokens)  # waits for the last step's tokens: drafts follow them
-        drafts = []
-        for uid, token, k in zip(self.uids, pending, wanted, strict=True):
-            drafting = speculation.get(uid)
-            drafts.append(drafting.drafter.propose(token, k) if drafting is not None and k > 0 else [])
-        if not any(drafts):
-            return None
-        return pending, drafts
+            k = 0 if drafting is None else min(drafting.length.wanted(), room)
+            guess = drafting.drafter.guess_next() if drafting is not None and k > 0 else None
+            drafts.append([] if guess is None else drafting.drafter.propose(guess, k))  # type: ignore[union-attr]
+        return drafts if any(drafts) else None
 
-    def _verify(self, pending: list[int], drafts: list[list[int]]) -> list[GenerationBatch.Response]:
+    def _verify(self, drafts: list[list[int]]) -> list[GenerationBatch.Response]:
         assert self.speculation is not None
         width = 1 + max(len(d) for d in drafts)
-        rows = [
-            [token, *d, *[token] * (width - 1 - len(d))] for token, d in zip(pending, drafts, strict=True)
-        ]
-        inputs = mx.array(rows, dtype=self._next_tokens.dtype)
+        padded = mx.array([[*d, *[0] * (width - 1 - len(d))] for d in drafts], dtype=self._next_tokens.dtype)
+        inputs = mx.concatenate([self._next_tokens[:, None], padded], axis=1)  # padding: never kept
         logits = self.model(inputs, cache=self.prompt_cache)  # (B, width, vocab)
+        pending = _ints(self._next_tokens)
         kept, next_tokens, next_logprobs, kept_logprobs = [], [], [], []
         for index, row_drafts in enumerate(drafts):
             row_logits = logits[index]
-            if row_drafts:
-                num_kept, token, logprobs = self._keep(index, row_drafts, row_logits)
+            drafting = self.speculation.get(self.uids[index]) if row_drafts else None
+            if drafting is not None:
+                num_kept, token, logprobs = self._keep(drafting.temperature, row_drafts, row_logits)
             else:
                 num_kept, (token, logprobs) = 0, self._sample_alone(index, inputs[index, :1], row_logits[:1])
             kept.append(num_kept)
@@ -116,19 +111,17 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self._next_logprobs = next_logprobs
         return self._respond(fed, fed_logprobs)
 
-    def _keep(self, index: int, drafts: list[int], logits: mx.array) -> tuple[int, int, mx.array]:
+    def _keep(self, temperature: float, drafts: list[int], logits: mx.array) -> tuple[int, int, mx.array]:
         """How many of a drafting row's drafts its logits confirm, its next token and each position's
         log-probabilities."""
-        drafting = self.speculation.get(self.uids[index]) if self.speculation is not None else None
-        assert drafting is not None
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if drafting.temperature == 0.0:
+        if temperature == 0.0:
             best = _ints(mx.argmax(logprobs, axis=-1))
             num_kept = 0
             while num_kept < len(drafts) and drafts[num_kept] == best[num_kept]:
                 num_kept += 1
             return num_kept, best[num_kept], logprobs
-        return (*keep_sampled(drafts, logprobs * (1.0 / drafting.temperature)), logprobs)
+        return (*keep_sampled(drafts, logprobs * (1.0 / temperature)), logprobs)
 
     def _sample_alone(self, index: int, token: mx.array, logits: mx.array) -> tuple[int, mx.array]:
         """A row without drafts: its next token as mlx-lm's step samples it (its processors, then its
@@ -234,3 +227,38 @@ def speculative(generator: BatchGenerator, speculation: Speculation) -> BatchGen
     batch.speculation = speculation
     generator._generation_batch = batch
     return generator
+
+
+# What a decode batch holds and what `_verify` and `_respond` read and replace of it.
+BATCH_STATE = (
+    "uids", "prompt_cache", "tokens", "samplers", "fallback_sampler", "logits_processors", "max_tokens",
+    "_current_tokens", "_current_logprobs", "_next_tokens", "_next_logprobs", "_token_context",
+    "_num_tokens", "_matchers",
+)  # fmt: skip
+
+
+def check_speculative_batch() -> None:
+    """The parts of mlx-lm's `GenerationBatch` a verify step reads and replaces."""
+    import inspect
+
+    require(
+        "GenerationBatch.empty(model, fallback_sampler) builds an empty decode batch (speculative() "
+        "installs its subclass so)",
+        lambda: list(inspect.signature(GenerationBatch.empty).parameters) == ["model", "fallback_sampler"],
+    )
+    init = inspect.getsource(GenerationBatch.__init__)
+    for name in BATCH_STATE:
+        require(
+            f"GenerationBatch keeps `self.{name}` (a verify step reads or replaces it)",
+            lambda attribute: f"self.{attribute} =" in init,
+            name,
+        )
+    fields = ("uid", "token", "logprobs", "finish_reason", "prompt_cache", "all_tokens")
+    require(
+        f"GenerationBatch.Response is ({', '.join(fields)}) (a verify step answers with it)",
+        lambda: tuple(GenerationBatch.Response.__dataclass_fields__) == fields,
+    )
+    require(
+        "GenerationBatch has `extract_cache(index)` and `filter(keep)` (a row ending part-way)",
+        lambda: all(callable(getattr(GenerationBatch, name, None)) for name in ("extract_cache", "filter")),
+    )
