@@ -49,11 +49,10 @@ class ModelDrafter:
         if not history:
             return None
         self._take_back_to(min(self._agreement(history), len(history) - 1))  # the last one fed again
-        unfed = history[len(self._cached) :]
-        if len(unfed) > CATCH_UP_TOKENS:
-            self._feed(unfed[:CATCH_UP_TOKENS])
+        logits = self._caught_up(history[len(self._cached) :])
+        if logits is None:
             return None
-        token = int(mx.argmax(self._feed(unfed), axis=-1))
+        token = int(mx.argmax(logits, axis=-1))
         return token if token < self._num_token_ids else None
 
     def propose(self, pending: int, k: int) -> list[int]:
@@ -62,11 +61,10 @@ class ModelDrafter:
         if k <= 0:
             return []
         self._take_back_to(self._agreement(self._history))
-        unfed = [*self._history[len(self._cached) :], pending]  # pending's logits give the first draft
-        if len(unfed) > CATCH_UP_TOKENS:
-            self._feed(unfed[:CATCH_UP_TOKENS])
+        # Pending's logits give the first draft.
+        logits = self._caught_up([*self._history[len(self._cached) :], pending])
+        if logits is None:
             return []
-        logits = self._feed(unfed)
         drafts: list[int] = []
         while True:
             token = int(mx.argmax(logits, axis=-1))
@@ -94,6 +92,14 @@ class ModelDrafter:
             for layer in self._cache:
                 layer.trim(excess)
             del self._cached[length:]
+
+    def _caught_up(self, unfed: list[int]) -> mx.array | None:
+        """Feed `unfed` and return the last position's logits; None after feeding one chunk of a
+        longer run (the cache catches up a chunk a step)."""
+        if len(unfed) > CATCH_UP_TOKENS:
+            self._feed(unfed[:CATCH_UP_TOKENS])
+            return None
+        return self._feed(unfed)
 
     def _feed(self, tokens: list[int]) -> mx.array:
         """Run the draft model over `tokens` into its cache; the last position's logits."""

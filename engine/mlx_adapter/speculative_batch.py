@@ -21,6 +21,7 @@ pass of `mixed_step.py`), is mlx-lm's own step. Written against mlx-lm 0.32.2's 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import mlx.core as mx
@@ -239,8 +240,6 @@ BATCH_STATE = (
 
 def check_speculative_batch() -> None:
     """The parts of mlx-lm's `GenerationBatch` a verify step reads and replaces."""
-    import inspect
-
     require(
         "GenerationBatch.empty(model, fallback_sampler) builds an empty decode batch (speculative() "
         "installs its subclass so)",
