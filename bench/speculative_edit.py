@@ -6,10 +6,14 @@ Two workloads, N agents at once (3 by default), one streamed OpenAI chat request
   file with three small changes (rename a function, change a constant, fix a misspelt comment);
   max_tokens is the file's length in tokens plus 10%.
 - chat: an open question without a file, `--chat-tokens` (256) at most.
-Each server runs once, fresh cache directory, both workloads in turn. Per run: wall time, decode
-tokens/s (tokens after the first, over first token to last, across agents and per agent), TTFT, and
-for semantic the speculative counters' deltas on /metrics (acceptance, drafted per generated token).
-The `off` and `ngram` replies must be byte-identical, agent by agent: any difference exits 1.
+The three servers run side by side (each with its own cache directory; an idle one takes no CPU)
+and take turns: each workload is run `--rounds` times (chat 3, edit 1 by default), every server once
+per round, so that the machine's drift (this 2-core VM's speed moves 10-20% over minutes) falls on
+all three alike. Per round: wall time, decode tokens/s (tokens after the first, over first token to
+last, across agents and per agent), TTFT, and for semantic the speculative counters' deltas on
+/metrics (acceptance, drafted per generated token). A run's figures are its median round's; the
+ratios are the medians of the rounds' own ratios. The `off` and `ngram` replies must be
+byte-identical, agent by agent and round by round: any difference exits 1.
 
 Prompt shape, measured first on the default model (SmolLM2-135M-Instruct, greedy): "copied" is the
 share of the reply's lines found in the file, "covered" the share of the file's lines in the reply.
@@ -31,7 +35,7 @@ long reply is the model repeating its own lines more than copying the file: its 
 n-gram drafts do for repetitive output, not yet for a model that copies the whole file.
 
     python -m semantic.launch .venv/bin/python -m bench.speculative_edit [--agents 3] [--lines 300]
-        [--chat-tokens 256] [--output speculative_edit]
+        [--chat-tokens 256] [--chat-rounds 3] [--edit-rounds 1] [--output speculative_edit]
 """
 
 from __future__ import annotations
@@ -345,28 +349,56 @@ def copy_fidelity(source: str, reply: str) -> dict[str, float]:
     }
 
 
-def run_server(server: Server, work: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """One start, an unmeasured warm-up request, then each workload in turn."""
-    server.start()
+def run_servers(
+    servers: dict[str, Server], work: dict[str, list[dict[str, Any]]], rounds: dict[str, int]
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Every server started and warmed up (an unmeasured request), then each workload's rounds, each
+    server once per round; each run's rounds by workload."""
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {run: {} for run in servers}
     try:
-        warm_up = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
-        run_workload(server, "warm-up", [warm_up])
-        return {name: run_workload(server, name, requests) for name, requests in work.items()}
+        for run, server in servers.items():
+            print(f"starting {run} ...", file=sys.stderr, flush=True)
+            server.start()
+            warm_up = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
+            run_workload(server, "warm-up", [warm_up])
+        for name, requests in work.items():
+            for round_index in range(rounds[name]):
+                for run, server in servers.items():
+                    figures = run_workload(server, f"{name}-{round_index}", requests)
+                    results[run].setdefault(name, []).append(figures)
+                    shown = {k: v for k, v in figures.items() if k != "agents"}
+                    print(run, name, round_index, json.dumps(shown), file=sys.stderr, flush=True)
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
+    return results
 
 
-def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """ngram over off (and over the peer) per workload, the byte-identical check and the targets."""
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median decode tokens/s (the lower middle of an even count), with every
+    round's decode tokens/s."""
+    ordered = sorted(rounds, key=lambda r: r["decode_tokens_per_s"] or 0)
+    middle = ordered[(len(ordered) - 1) // 2]
+    return {**middle, "rounds_decode_tokens_per_s": [r["decode_tokens_per_s"] for r in rounds]}
+
+
+def compare(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """ngram over off (and over the peer) per workload, the median of the rounds' own ratios; the
+    byte-identical check and the targets."""
     comparison: dict[str, Any] = {}
     for workload in ("edit", "chat"):
         off, ngram, peer = (results[run][workload] for run in RUNS)
-        identical = [a["text"] == b["text"] for a, b in zip(off["agents"], ngram["agents"], strict=True)]
+        identical = [
+            a["text"] == b["text"]
+            for off_round, ngram_round in zip(off, ngram, strict=True)
+            for a, b in zip(off_round["agents"], ngram_round["agents"], strict=True)
+        ]
+        over_off = [round_ratio(b, a) for a, b in zip(off, ngram, strict=True)]
+        over_peer = [round_ratio(b, a) for a, b in zip(peer, ngram, strict=True)]
         comparison[workload] = {
-            "ngram_over_off_decode": ratio(ngram["decode_tokens_per_s"], off["decode_tokens_per_s"]),
-            "ngram_over_mlx_lm_server_decode": ratio(
-                ngram["decode_tokens_per_s"], peer["decode_tokens_per_s"]
-            ),
+            "ngram_over_off_decode": statistics.median(r or 0 for r in over_off),
+            "ngram_over_mlx_lm_server_decode": statistics.median(r or 0 for r in over_peer),
+            "rounds_ngram_over_off_decode": over_off,
             "identical": identical,
         }
     comparison["targets"] = {
@@ -377,12 +409,16 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return comparison
 
 
+def round_ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    return ratio(a["decode_tokens_per_s"], b["decode_tokens_per_s"])
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
 def plot(results: dict[str, dict[str, Any]], name: str) -> Path:
-    """Decode tokens/s per workload, one bar per run."""
+    """Decode tokens/s per workload (each run's median round), one bar per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -412,11 +448,13 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=3)
     parser.add_argument("--lines", type=int, default=300, help="lines of each agent's source file")
     parser.add_argument("--chat-tokens", type=int, default=256, help="max_tokens of the chat replies")
+    parser.add_argument("--chat-rounds", type=int, default=3, help="rounds of the chat workload")
+    parser.add_argument("--edit-rounds", type=int, default=1, help="rounds of the edit workload")
     parser.add_argument("--output", default="speculative_edit", help="results file name, without .json")
     args = parser.parse_args()
     model_dir = ensure_default_model()
     work = workloads(args.agents, args.lines, args.chat_tokens, model_dir)
-    results: dict[str, dict[str, Any]] = {}
+    rounds = {"edit": args.edit_rounds, "chat": args.chat_rounds}
     bench_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         most_tokens = max(r["max_tokens"] for requests in work.values() for r in requests)
@@ -424,13 +462,9 @@ def main() -> None:
             run: Semantic(model_dir, Path(scratch) / run, "--speculate", run) for run in ("off", "ngram")
         }
         servers["mlx_lm.server"] = MlxLmServer(model_dir, Path(scratch) / "logs", most_tokens)
-        for run, server in servers.items():
-            print(f"{run} ...", file=sys.stderr, flush=True)
-            results[run] = run_server(server, work)
-            for name, figures in results[run].items():
-                shown = {k: v for k, v in figures.items() if k != "agents"}
-                print(run, name, json.dumps(shown), file=sys.stderr, flush=True)
-    comparison = compare(results)
+        rounds_by_run = run_servers(servers, work, rounds)
+    comparison = compare(rounds_by_run)
+    results = {run: {name: median_round(r) for name, r in by.items()} for run, by in rounds_by_run.items()}
     write_results(
         args.output,
         {
@@ -439,6 +473,7 @@ def main() -> None:
                 "agents": args.agents,
                 "lines": args.lines,
                 "chat_tokens": args.chat_tokens,
+                "rounds": rounds,
                 "edit_max_tokens": [r["max_tokens"] for r in work["edit"]],
             },
             "bench_s": round(time.perf_counter() - bench_start, 1),

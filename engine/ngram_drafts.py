@@ -7,8 +7,9 @@ them in the batch's forward pass. Two pieces, one per sequence:
   occurrence, so extending costs O(max_ngram) per token and proposing O(max_ngram + k), whatever the
   history's length. It follows a copy cursor while the fed tokens agree with it: a file being copied
   repeats snippets (`    return`) whose latest occurrence lies elsewhere in the file.
-- `DraftLength` picks k from how well drafts did, and turns drafting off (with probes that back off)
-  where they keep failing, so free-form chat does not pay for verifying them.
+- `DraftLength` picks k from how well drafts did, turns drafting off (with probes that back off)
+  where they keep failing, and estimates how many drafts a verify would keep, which the speculation
+  weighs against what verifying costs (`speculation.py`), so free-form chat does not pay for them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ GROWTH_TOKENS = 2  # grow k by this on a fully accepted draft: from the default 
 NUM_FAILURES_TO_PAUSE = 3  # one poor verify is normal at an edit's boundary; three in a row: no repetition
 FIRST_COOLDOWN_STEPS = 16  # short enough to catch a quoted block a line or so after it starts
 MAX_COOLDOWN_STEPS = 512  # free-form text pays at most one failed 1-token probe per 512 steps
+# A draft's chance of being kept: the first's, and each later one's given the one before it was
+# (chat's guesses are often right, its runs short: 60% of first drafts kept, 40% of later ones). A new
+# sequence's (or a probe's) until its verifies and guesses say otherwise, worth this many of them,
+# each counting less by a factor per one after it (a copy after a stretch of chat is believed soon).
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 2.0
+EVIDENCE_DECAY = 0.8
 
 
 class NgramDrafter:
@@ -98,7 +106,9 @@ class NgramDrafter:
 class DraftLength:
     """How many tokens to draft for one sequence: grows while drafts are accepted, shrinks when they are
     not, and falls to 0 (drafting off, then a probe after a cool-down that doubles each time it fails
-    again) where drafts keep failing, so free-form chat does not pay for verification."""
+    again) where drafts keep failing, so free-form chat does not pay for verification. Also how many
+    of n drafts a verify can expect to keep, from two chances: the first draft's (from verifies and
+    the drafter's guesses) and each later one's, given the one before it was kept."""
 
     def __init__(self, *, start: int = 4, most: int = 8) -> None:
         if not 1 <= start <= most:
@@ -109,6 +119,20 @@ class DraftLength:
         self._cooldown_steps_left = 0
         self._next_cooldown_steps = FIRST_COOLDOWN_STEPS
         self._is_probing = False
+        # Decayed counts of kept and missed drafts: first drafts (and guesses), and later ones.
+        self._first = _Evidence()
+        self._later = _Evidence()
+
+    def expected_kept(self, num_drafts: int) -> float:
+        """How many of `num_drafts` drafts a verify can expect to keep (each only if all before it are)."""
+        later = self._later.chance
+        return self._first.chance * sum(later**position for position in range(num_drafts))
+
+    def observe_guess(self, was_right: bool) -> None:
+        """Record whether the drafter's guess at a token it did not get to draft after was right: as
+        good a sign of its first draft as a verify, and free (it counts toward the estimate of kept
+        drafts only), so a copy is believed, and chat doubted, before anything is verified."""
+        self._first.observe(int(was_right), int(not was_right))
 
     def wanted(self) -> int:
         """k for this decode step (0: do not draft); call once per step, as it counts a cool-down down."""
@@ -121,6 +145,9 @@ class DraftLength:
         """Record a verify of num_drafted > 0 drafts of which the first num_accepted were accepted."""
         if not 0 <= num_accepted <= num_drafted or num_drafted <= 0:
             raise ValueError(f"need 0 <= accepted <= drafted, drafted > 0; got {num_accepted}/{num_drafted}")
+        self._first.observe(int(num_accepted > 0), int(num_accepted == 0))
+        if num_accepted > 0 and num_drafted > 1:
+            self._later.observe(num_accepted - 1, int(num_accepted < num_drafted))
         if self._is_probing:
             if num_accepted == 0:
                 self._pause()
@@ -150,3 +177,20 @@ class DraftLength:
         self._is_probing = True
         self._cooldown_steps_left = self._next_cooldown_steps
         self._next_cooldown_steps = min(MAX_COOLDOWN_STEPS, 2 * self._next_cooldown_steps)
+        self._first, self._later = _Evidence(), _Evidence()  # a probe is judged as a new sequence's
+
+
+class _Evidence:
+    """A chance estimated from decayed counts of kept and missed drafts, from a prior."""
+
+    def __init__(self) -> None:
+        self._num_kept = PRIOR_WEIGHT * PRIOR_ACCEPTANCE
+        self._num_missed = PRIOR_WEIGHT * (1.0 - PRIOR_ACCEPTANCE)
+
+    @property
+    def chance(self) -> float:
+        return self._num_kept / (self._num_kept + self._num_missed)
+
+    def observe(self, num_kept: int, num_missed: int) -> None:
+        self._num_kept = EVIDENCE_DECAY * self._num_kept + num_kept
+        self._num_missed = EVIDENCE_DECAY * self._num_missed + num_missed

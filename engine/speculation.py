@@ -8,7 +8,13 @@ verifies them in the batch's forward pass). A sequence drafts
 only where verifying keeps its reply exactly what it would have been: greedy, or sampled at a plain
 temperature (the rejection rule keeps the distribution), without logits processors (penalties, a
 grammar: they read every token's context as it is sampled) and without a seed (a seeded reply
-draws the same random numbers as without drafts). The batch owns this and gives it to the
+draws the same random numbers as without drafts). A step verifies only as wide as it pays: each
+width's expected tokens (every row's own, and the drafts each row can expect to keep, estimated
+from its verifies and from its drafter's guesses at the tokens being computed) over what a step of
+that width measured on this machine (`step_costs.py`), by a margin. On a GPU a wider step costs
+about what a one-token step does, so drafts are nearly always verified; on a 2-core CPU a 3 x 5
+verify costs ~1.5 one-token steps, so copies' drafts (nine in ten kept) are verified and free-form
+chat's wait, or ride a step that verifies anyway. The batch owns this and gives it to the
 generator's decode batch; it is read and changed on the engine thread only.
 """
 
@@ -21,8 +27,15 @@ from typing import Any, Protocol
 from semantic.engine.model_drafts import ModelDrafter
 from semantic.engine.ngram_drafts import DraftLength, NgramDrafter
 from semantic.engine.sampling import SamplingParams
+from semantic.engine.step_costs import StepCosts
 
-MOST_DRAFTED = 8  # per step: on this CPU a 9-token verify of 3 rows costs ~2x a one-token step
+# A verify must promise (1 + MARGIN) times a one-token step's tokens per second. Every row pays for
+# a verify but keeps only its own drafts, and rows that started together finish with the one that
+# kept fewest: free-form chat keeps ~60% of its drafts, and with a margin of 0.1 three chat replies
+# decoded at 0.93-0.97x the speed of no drafts; a copy's verifies promise 2-3x. On a GPU, where a
+# wide step costs about what a one-token step does, it asks only that drafts keep half a token a row.
+MARGIN = 0.5
+MOST_DRAFTED = 8  # per row and step: the widest verify a copy's drafts (nine in ten kept) pay for on the CPU
 
 
 def drafts_keep_reply(sampling: SamplingParams, has_processors: bool) -> bool:
@@ -63,10 +76,12 @@ class Drafting:
     drafter: Drafter
     length: DraftLength
     temperature: float  # 0: greedy
+    guess: int | None = None  # the drafter's guess at the token being computed, until it is fed
     num_drafted: int = 0
     num_accepted: int = 0
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
+        self.guess = None  # the verify judged it
         self.length.observe(num_drafted, num_accepted)
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
@@ -75,10 +90,18 @@ class Drafting:
 class Speculation:
     """The drafting sequences of one batch, by generator uid."""
 
-    def __init__(self, make_drafter: MakeDrafter = NgramDrafter, most_drafted: int = MOST_DRAFTED) -> None:
+    def __init__(
+        self,
+        make_drafter: MakeDrafter = NgramDrafter,
+        most_drafted: int = MOST_DRAFTED,
+        *,
+        margin: float = MARGIN,  # a verify promises (1 + margin) x a one-token step's tokens/s
+    ) -> None:
         self._make_drafter = make_drafter
+        self.margin = margin
         self._by_uid: dict[int, Drafting] = {}
         self._most = most_drafted
+        self.costs = StepCosts()  # measured by the decode batch
         self.num_drafted = 0  # over the batch's life: verify steps' drafts and accepted drafts
         self.num_accepted = 0
 
@@ -101,11 +124,33 @@ class Speculation:
     def get(self, uid: int) -> Drafting | None:
         return self._by_uid.get(uid)
 
+    def width_worth(self, num_rows: int, offers: Sequence[tuple[DraftLength, int]]) -> int:
+        """The step's width (1: a one-token step) that gives the most tokens per second: a step of
+        `num_rows` rows where some offer drafts (each a row's draft length and how many it would
+        draft), weighed against the measured cost of each width. Until a one-token step of these
+        rows was measured, 1."""
+        plain_seconds = self.costs.seconds(num_rows, 1)
+        longest = max((num_drafts for _, num_drafts in offers), default=0)
+        if plain_seconds is None or longest == 0:
+            return 1
+        best_width, best_rate = 1, (1.0 + self.margin) * num_rows / plain_seconds
+        for width in range(2, longest + 2):
+            seconds = self.costs.seconds(num_rows, width)
+            assert seconds is not None, "a width without a cost, its one-token step with one: StepCosts' bug"
+            expected = num_rows + sum(length.expected_kept(min(n, width - 1)) for length, n in offers)
+            if expected / max(seconds, 1e-9) > best_rate:
+                best_width, best_rate = width, expected / max(seconds, 1e-9)
+        return best_width
+
     def fed(self, uid: int, tokens: Sequence[int]) -> None:
         """Tokens that went into the sequence's cache this step (its drafter's history)."""
         drafting = self._by_uid.get(uid)
-        if drafting is not None:
-            drafting.drafter.extend(tokens)
+        if drafting is None:
+            return
+        if drafting.guess is not None and tokens:  # a guess without drafts verified after it
+            drafting.length.observe_guess(tokens[0] == drafting.guess)
+            drafting.guess = None
+        drafting.drafter.extend(tokens)
 
     def observe(self, uid: int, num_drafted: int, num_accepted: int) -> None:
         drafting = self._by_uid.get(uid)

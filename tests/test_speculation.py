@@ -18,6 +18,7 @@ from semantic.engine.messages import EventChannel, Finished, GenerationRequest
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
 from semantic.engine.sampling import SamplingParams
+from semantic.engine.step_costs import StepCosts
 
 CODE = "\n".join(f"def function_{i}(x, y):\n    total = x + y + {i}\n    return total\n" for i in range(6))
 REQUESTS = [
@@ -25,6 +26,24 @@ REQUESTS = [
     "Write a short poem about the sea.",
     f"Repeat this code exactly:\n{CODE}",
 ]
+
+
+class FlatCosts(StepCosts):
+    """A machine where a step of any width costs what a one-token step does (about a GPU's case):
+    with no margin, every draft offered is verified whatever this machine's step times, so that a
+    test of what verifying does is not at the mercy of how busy the machine is (`test_verify_width.py`
+    tests the weighing). Still records what the decode batch measures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_observed = 0
+
+    def observe(self, num_rows: int, width: int, seconds: float) -> None:
+        super().observe(num_rows, width, seconds)
+        self.num_observed += 1
+
+    def seconds(self, num_rows: int, width: int) -> float | None:
+        return 0.05
 
 
 def _replies(model_dir: Path, speculate: str, max_tokens: int = 48) -> list[Finished]:
@@ -38,6 +57,10 @@ def _turns(model_dir: Path, speculate: str, max_tokens: int) -> tuple[list[Finis
         outbox = Outbox(loop)
         config = EngineConfig(model=str(model_dir), cache_budget_mb=256, speculate=speculate)  # type: ignore[arg-type]
         runtime = Runtime.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox)
+        costs = FlatCosts()
+        if runtime.batch.speculation is not None:  # every draft offered is verified
+            runtime.batch.speculation.costs = costs
+            runtime.batch.speculation.margin = 0.0
         submits = []
         for text in REQUESTS:
             messages = [{"role": "user", "content": text}]
@@ -65,6 +88,8 @@ def _turns(model_dir: Path, speculate: str, max_tokens: int) -> tuple[list[Finis
                     if isinstance(event, Finished):
                         finished[index] = event
         assert len(finished) == len(submits), "the requests did not finish"
+        if runtime.batch.speculation is not None:
+            assert costs.num_observed > 0, "the decode batch timed no step"
         kept = [runtime.store.agents[f"agent-{index}"].token_ids for index in range(len(submits))]
         return [finished[index] for index in range(len(submits))], kept
     finally:

@@ -1,7 +1,8 @@
 """mlx-lm's decode batch, with drafted tokens verified in its forward pass (speculative decoding).
 
-On a step where some sequences have drafts (`engine/speculation.py`), every row is fed its pending
-token and its drafts, right-padded to the longest: one forward pass of B x T tokens reads the
+On a step where some sequences' drafts are worth verifying (`engine/speculation.py` weighs each
+width against the step times this batch measures), every row is fed its pending token and its
+drafts, right-padded to the longest: one forward pass of B x T tokens reads the
 weights once, as a one-token step does. Each row then keeps the drafts its own logits confirm:
 greedy rows the leading drafts that are the argmax, sampled rows by the standard rejection rule
 (a draft x is kept with probability p(x), a rejected one replaced by a draw from p without x), so a
@@ -22,6 +23,7 @@ pass of `mixed_step.py`), is mlx-lm's own step. Written against mlx-lm 0.32.2's 
 from __future__ import annotations
 
 import inspect
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -30,7 +32,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from semantic.engine.mlx_adapter.kv_seams import PLAIN_BATCH_CACHES
 from semantic.engine.mlx_adapter.last_token_fold import GivenLogits
 from semantic.engine.mlx_adapter.seam_check import require
-from semantic.engine.speculation import Speculation
+from semantic.engine.speculation import Drafting, Speculation
 
 
 def _ints(array: mx.array) -> list[int]:
@@ -43,8 +45,10 @@ def _floats(array: mx.array) -> list[float]:
 
 class SpeculativeGenerationBatch(GenerationBatch):
     speculation: Speculation | None = None  # set by the engine's batch; None: mlx-lm's steps only
+    _last_step: tuple[int, int, float] | None = None  # rows, width and start of the step being timed
 
     def next(self) -> list[GenerationBatch.Response]:
+        self._time_last_step()
         drafts = self._plan()
         if drafts is None:
             responses = super().next()
@@ -52,21 +56,32 @@ class SpeculativeGenerationBatch(GenerationBatch):
             return responses
         return self._verify(drafts)
 
+    def _time_last_step(self) -> None:
+        """The last step's cost (`step_costs.py`): from its call to this one. Steps whose logits were
+        computed elsewhere (the packed pass) are not timed."""
+        now = time.perf_counter()
+        if self._last_step is not None and self.speculation is not None:
+            num_rows, width, started = self._last_step
+            self.speculation.costs.observe(num_rows, width, now - started)
+        timed = self.uids and not isinstance(self.model, GivenLogits)
+        self._last_step = (len(self.uids), 1, now) if timed else None
+
     def _note_fed(self, responses: list[GenerationBatch.Response]) -> None:
         if self.speculation is not None:
             for response in responses:
                 self.speculation.fed(response.uid, [response.token])
 
     def _plan(self) -> list[list[int]] | None:
-        """Each row's drafts, where any row drafts this step; else None. The token each row gets
-        from the last step is still being computed: drafts follow each drafter's guess at it, so
-        planning never waits for that step (a wrong guess only costs its drafts, all rejected)."""
+        """Each row's drafts, where a step that verifies them pays (`Speculation.width_worth`); else
+        None. The token each row gets from the last step is still being computed: drafts follow each
+        drafter's guess at it, so planning never waits for that step (a wrong guess only costs its
+        drafts, all rejected)."""
         speculation = self.speculation
         if speculation is None or not self.uids or isinstance(self.model, GivenLogits):
             return None
         if not all(type(layer) in PLAIN_BATCH_CACHES for layer in self.prompt_cache):
             return None  # a sliding window or a recurrent state cannot take back rejected tokens
-        drafts = []
+        rows: list[tuple[Drafting, int, int] | None] = []  # each row's drafting, most drafts and guess
         for index, uid in enumerate(self.uids):
             drafting = speculation.get(uid)
             # Short of the generator's token limit (the engine's batch sets it one past the request's
@@ -74,12 +89,23 @@ class SpeculativeGenerationBatch(GenerationBatch):
             room = self.max_tokens[index] - self._num_tokens[index] - 2
             k = 0 if drafting is None else min(drafting.length.wanted(), room)
             guess = drafting.drafter.guess_next() if drafting is not None and k > 0 else None
-            drafts.append([] if guess is None else drafting.drafter.propose(guess, k))  # type: ignore[union-attr]
-        return drafts if any(drafts) else None
+            if drafting is not None:
+                drafting.guess = guess  # judged when the token is fed, unless a verify judges it
+            rows.append(None if drafting is None or guess is None else (drafting, k, guess))
+        offers = [(row[0].length, row[1]) for row in rows if row is not None]
+        width = speculation.width_worth(len(self.uids), offers)
+        if width == 1:
+            return None
+        most = width - 1
+        drafts = [[] if row is None else row[0].drafter.propose(row[2], min(row[1], most)) for row in rows]
+        offers = [(row[0].length, len(d)) for row, d in zip(rows, drafts, strict=True) if row is not None]
+        width = speculation.width_worth(len(self.uids), offers)  # a lookup may find fewer than offered
+        return None if width == 1 else [d[: width - 1] for d in drafts]
 
     def _verify(self, drafts: list[list[int]]) -> list[GenerationBatch.Response]:
-        assert self.speculation is not None
+        assert self.speculation is not None and self._last_step is not None
         width = 1 + max(len(d) for d in drafts)
+        self._last_step = (len(self.uids), width, self._last_step[2])
         padded = mx.array([[*d, *[0] * (width - 1 - len(d))] for d in drafts], dtype=self._next_tokens.dtype)
         inputs = mx.concatenate([self._next_tokens[:, None], padded], axis=1)  # padding: never kept
         logits = self.model(inputs, cache=self.prompt_cache)  # (B, width, vocab)
