@@ -2,8 +2,8 @@
 
 A step that verifies drafts feeds each row its pending token and its drafts, padded to the widest:
 rows x width tokens in one forward pass. On a GPU, where a step reads the weights once whatever it
-feeds, a 3 x 5 step costs about what a 3 x 1 step does; on a 2-core CPU it costs ~1.5 times as much
-(and a 3 x 2 step more than a 3 x 3: OpenBLAS's small-matrix kernels), so drafts that are kept a
+feeds, a 3 x 5 step should cost about what a 3 x 1 step does (not measured here); on a 2-core CPU it
+costs ~1.5 times as much (and, measured, a 3 x 2 step more than a 3 x 3), so drafts that are kept a
 third of the time cost more than they give. The speculation weighs each width against these figures
 (`speculation.py`), so it is the machine, not a constant, that decides what drafting is worth. Sizes
 are kept by rows and width, not by tokens: a 1 x 3 verify waits for its logits where a 3 x 1 step
