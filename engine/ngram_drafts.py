@@ -21,7 +21,7 @@ NUM_FAILURES_TO_PAUSE = 3  # one poor verify is normal at an edit's boundary; th
 FIRST_COOLDOWN_STEPS = 16  # short enough to catch a quoted block a line or so after it starts
 MAX_COOLDOWN_STEPS = 512  # free-form text pays at most one failed 1-token probe per 512 steps
 # A draft's chance of being kept: the first's, and each later one's given the one before it was
-# (chat's guesses are often right, its runs short: 60% of first drafts kept, 40% of later ones). A new
+# (chat's guesses are often right but its runs are short; a copy's are both). A new
 # sequence's (or a probe's) until its verifies and guesses say otherwise, worth this many of them,
 # each counting less by a factor per one after it (a copy after a stretch of chat is believed soon).
 PRIOR_ACCEPTANCE = 0.5
