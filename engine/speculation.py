@@ -138,8 +138,9 @@ class Speculation:
             seconds = self.costs.seconds(num_rows, width)
             assert seconds is not None, "a width without a cost, its one-token step with one: StepCosts' bug"
             expected = num_rows + sum(length.expected_kept(min(n, width - 1)) for length, n in offers)
-            if expected / max(seconds, 1e-9) > best_rate:
-                best_width, best_rate = width, expected / max(seconds, 1e-9)
+            rate = expected / max(seconds, 1e-9)
+            if rate > best_rate:
+                best_width, best_rate = width, rate
         return best_width
 
     def fed(self, uid: int, tokens: Sequence[int]) -> None:
