@@ -7,13 +7,14 @@ Two workloads, N agents at once (3 by default), one streamed OpenAI chat request
   max_tokens is the file's length in tokens plus 10%.
 - chat: an open question without a file, `--chat-tokens` (256) at most.
 The three servers run side by side (each with its own cache directory; an idle one takes no CPU)
-and take turns: each workload is run `--rounds` times (chat 3, edit 1 by default), every server once
-per round, so that the machine's drift (this 2-core VM's speed moves 10-20% over minutes) falls on
-all three alike. Per round: wall time, decode tokens/s (tokens after the first, over first token to
-last, across agents and per agent), TTFT, and for semantic the speculative counters' deltas on
-/metrics (acceptance, drafted per generated token). A run's figures are its median round's; the
-ratios are the medians of the rounds' own ratios. The `off` and `ngram` replies must be
-byte-identical, agent by agent and round by round: any difference exits 1.
+and take turns: each workload is run `--rounds` times (chat 5, edit 1 by default), every server once
+per round, in reverse order every other round, so that the machine's drift (this 2-core VM's speed
+moves 10-20% over minutes) falls on all three alike. Per round: wall time, decode tokens/s (tokens
+after the first, over first token to last, across agents and per agent), TTFT, and for semantic
+the speculative counters' deltas on /metrics (acceptance, drafted per generated token). A run's
+figures are its median round's; the ratios are the medians of the rounds' own ratios. The `off`
+and `ngram` replies must be byte-identical, agent by agent and round by round (any difference
+exits 1).
 
 Prompt shape, measured first on the default model (SmolLM2-135M-Instruct, greedy): "copied" is the
 share of the reply's lines found in the file, "covered" the share of the file's lines in the reply.
@@ -35,7 +36,7 @@ long reply is the model repeating its own lines more than copying the file: its 
 n-gram drafts do for repetitive output, not yet for a model that copies the whole file.
 
     python -m semantic.launch .venv/bin/python -m bench.speculative_edit [--agents 3] [--lines 300]
-        [--chat-tokens 256] [--chat-rounds 3] [--edit-rounds 1] [--output speculative_edit]
+        [--chat-tokens 256] [--chat-rounds 5] [--edit-rounds 1] [--output speculative_edit]
 """
 
 from __future__ import annotations
@@ -353,7 +354,7 @@ def run_servers(
     servers: dict[str, Server], work: dict[str, list[dict[str, Any]]], rounds: dict[str, int]
 ) -> dict[str, dict[str, list[dict[str, Any]]]]:
     """Every server started and warmed up (an unmeasured request), then each workload's rounds, each
-    server once per round; each run's rounds by workload."""
+    server once per round, in reverse order every other round; each run's rounds by workload."""
     results: dict[str, dict[str, list[dict[str, Any]]]] = {run: {} for run in servers}
     try:
         for run, server in servers.items():
@@ -363,7 +364,8 @@ def run_servers(
             run_workload(server, "warm-up", [warm_up])
         for name, requests in work.items():
             for round_index in range(rounds[name]):
-                for run, server in servers.items():
+                order = list(servers.items())  # reversed every other round: a drift falls on both sides
+                for run, server in order if round_index % 2 == 0 else order[::-1]:
                     figures = run_workload(server, f"{name}-{round_index}", requests)
                     results[run].setdefault(name, []).append(figures)
                     shown = {k: v for k, v in figures.items() if k != "agents"}
@@ -448,7 +450,7 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=3)
     parser.add_argument("--lines", type=int, default=300, help="lines of each agent's source file")
     parser.add_argument("--chat-tokens", type=int, default=256, help="max_tokens of the chat replies")
-    parser.add_argument("--chat-rounds", type=int, default=3, help="rounds of the chat workload")
+    parser.add_argument("--chat-rounds", type=int, default=5, help="rounds of the chat workload")
     parser.add_argument("--edit-rounds", type=int, default=1, help="rounds of the edit workload")
     parser.add_argument("--output", default="speculative_edit", help="results file name, without .json")
     args = parser.parse_args()

@@ -21,7 +21,7 @@ for) and bench/results/step_overhead.png. `--profile` (needs py-spy) then sample
 server for 10 s while single streams decode and prints its engine thread's top functions.
 
     python -m semantic.launch .venv/bin/python -m bench.step_overhead [--rounds 5] [--tokens 256]
-        [--streams 8] [--semantic-args "--prefill-step-size 512"] [--semantic-only] [--profile]
+        [--streams 8] [--semantic-args "--speculate off"] [--semantic-only] [--profile]
 """
 
 from __future__ import annotations
@@ -258,7 +258,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8, help="concurrent streams in the aggregate")
     parser.add_argument(
         "--semantic-args",
-        default="",
+        # Drafts off: this measures a step's overhead, and a random model's loops are all drafts.
+        default="--speculate off",
         help='semantic serve\'s extra args: "--prefill-step-size 512"; one flag: --semantic-args=--flag',
     )
     parser.add_argument("--semantic-only", action="store_true", help="skip mlx_lm.server")

@@ -56,8 +56,9 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     last_token_fold: bool  # a lone prompt's last token in its last chunk (mlx_adapter/last_token_fold.py)
     mixed_step: bool  # decode and a prompt's chunk in one pass (mlx_adapter/mixed_step.py)
     joining_cache: bool  # joins and leaves at one copy of each row (mlx_adapter/batch_joins.py)
-    # Drafts verified in the batch's pass (engine/speculation.py): opt-in. On the CPU code editing
-    # measured 2.5x but free-form chat 0.80-0.88x (bench/speculative_edit.py); a GPU is unmeasured.
+    # Drafts verified in the batch's pass (engine/speculation.py): n-gram drafts on the CPU, where
+    # code editing measured 3.4x and free-form chat drafted nothing (bench/speculative_edit.py);
+    # opt-in on a GPU, which is unmeasured.
     speculate: Speculate
     prefill_batch_size: int
     prefill_step_size: int
@@ -146,7 +147,7 @@ def choose_profile(choices: BackendChoices | None = None, device: DeviceKind | N
         and variant(choices.last_token_fold),  # packs with the fold's head
         joining_cache=variant(choices.joining_cache),
         # exact numerics: a verify pass computes a token's logits beside others', not alone
-        speculate="off" if exact else choices.speculate or "off",
+        speculate="off" if exact else choices.speculate or ("ngram" if on_cpu else "off"),
         prefill_batch_size=choices.prefill_batch_size or batch_size,
         prefill_step_size=step_size,
         short_turn_tokens=short_turn,

@@ -6,7 +6,8 @@ them in the batch's forward pass. Two pieces, one per sequence:
 - `NgramDrafter` keeps a dict from each n-gram of the history to the position after its latest
   occurrence, so extending costs O(max_ngram) per token and proposing O(max_ngram + k), whatever the
   history's length. It follows a copy cursor while the fed tokens agree with it: a file being copied
-  repeats snippets (`    return`) whose latest occurrence lies elsewhere in the file.
+  repeats snippets (`    return`) whose latest occurrence lies elsewhere in the file. A source
+  that runs into the present (a loop, a rule of dashes, a table's rows) goes on repeating its period.
 - `DraftLength` picks k from how well drafts did, turns drafting off (with probes that back off)
   where they keep failing, and estimates how many drafts a verify would keep, which the speculation
   weighs against what verifying costs (`speculation.py`), so free-form chat does not pay for them.
@@ -75,7 +76,7 @@ class NgramDrafter:
 
     def propose(self, pending: int, k: int) -> list[int]:
         """Up to k tokens expected after the history and `pending` (the token about to be fed); []
-        when k <= 0 or nothing matches. Never runs past the history's end."""
+        when k <= 0 or nothing matches."""
         if k <= 0:
             return []
         start = self._copy_start(pending)
@@ -84,12 +85,18 @@ class NgramDrafter:
             if start is None:
                 return []
             self._cursor = start - 1  # aligned with pending, which extend() receives first
-        return self._tokens[start : start + k]
+        history = self._tokens
+        drafts = history[start : start + k]
+        # A source that runs into the present goes on with what it predicts: a run that repeats
+        # every few tokens (a loop, a rule of dashes, a table's rows) drafts k tokens, not one period.
+        for position in range(start + len(drafts), start + k):
+            drafts.append(pending if position == len(history) else drafts[position - len(history) - 1])
+        return drafts
 
     def _copy_start(self, pending: int) -> int | None:
-        """Where drafts continue a copy under way, if pending agrees with it and the source has more."""
+        """Where drafts continue a copy under way, if pending agrees with it."""
         cursor = self._cursor
-        if cursor is None or self._tokens[cursor] != pending or cursor + 1 >= len(self._tokens):
+        if cursor is None or self._tokens[cursor] != pending:
             return None
         return cursor + 1
 

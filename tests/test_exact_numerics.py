@@ -1,7 +1,7 @@
 """256-token greedy replies of the default model on five prompts, three ways: mlx-lm's own loop
 (`generate_step`, which `generate` and `stream_generate` run), our engine with `exact_numerics`, and
 our engine with the device's default profile (on the CPU: our kernels, the fold, the mixed step, the
-joining cache). The five run concurrently, as users send them, and one prompt also runs alone.
+joining cache, n-gram drafts). The five run concurrently, as users send them, and one prompt also runs alone.
 
 What holds, measured on this CPU (README, "Exact numerics"): every reply is mlx-lm's token for token
 in both profiles; a lone stream with exact numerics is mlx-lm's to the last bit of every logprob;

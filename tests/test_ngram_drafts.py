@@ -35,6 +35,15 @@ def latest_match(history: list[int], pending: int, max_ngram: int, min_ngram: in
     return None
 
 
+def continued(history: list[int], pending: int, start: int, k: int) -> list[int]:
+    """k drafts from `start` on: the history, then pending, then the drafts themselves, where the
+    source runs into the present (a run that repeats itself every few tokens)."""
+    sequence = [*history, pending]
+    for offset in range(k):
+        sequence.append(sequence[start + offset])
+    return sequence[len(history) + 1 :]
+
+
 def accepted_prefix(drafts: list[int], truth: list[int]) -> list[int]:
     """What a greedy verify keeps: the drafts up to the first that differs from the sequence."""
     pairs = itertools.takewhile(lambda pair: pair[0] == pair[1], zip(drafts, truth, strict=False))
@@ -66,7 +75,7 @@ def test_a_fresh_drafter_proposes_what_followed_the_latest_longest_match(
     drafter.extend(history[fed:])
     assert len(drafter) == len(history)
     start = latest_match(history, pending, max_ngram, min_ngram)
-    expected = [] if start is None or k <= 0 else history[start : start + k]
+    expected = [] if start is None or k <= 0 else continued(history, pending, start, k)
     assert drafter.propose(pending, k) == expected
 
 
@@ -107,8 +116,8 @@ def test_drafts_always_follow_an_earlier_occurrence_of_the_current_suffix(
             suffix = [*history, pending][-min_ngram:]
             assert any(
                 history[start - min_ngram : start] == suffix
-                and history[start : start + len(drafts)] == drafts
-                for start in range(min_ngram, len(history) - len(drafts) + 1)
+                and continued(history, pending, start, len(drafts)) == drafts
+                for start in range(min_ngram, len(history) + 1)
             ), f"{drafts} never followed {suffix} in {history}"
         accepted = accepted_prefix(drafts, sequence[position + 1 :])
         drafter.extend([pending, *accepted])
@@ -158,12 +167,17 @@ def test_a_copy_resumes_only_where_every_token_since_agreed() -> None:
     assert drafter.propose(14, 2) == []  # 14 is where the copy would have been, but 13 never came
 
 
-def test_drafts_stop_at_the_history_end() -> None:
+def test_drafts_that_reach_the_present_go_on_repeating_its_period() -> None:
     drafter = NgramDrafter([7, 8, 9, 7, 8])
-    assert drafter.propose(9, 8) == [7, 8]  # after the first 7 8 9: only what the history holds
+    assert drafter.propose(9, 8) == [7, 8, 9, 7, 8, 9, 7, 8]  # after the first 7 8 9, every 3 tokens
     assert len(drafter) == 5
     assert NgramDrafter([7, 8]).propose(7, 4) == []  # its only 7 has no token after it yet
-    assert NgramDrafter([3, 3, 3]).propose(3, 4) == [3]
+    assert NgramDrafter([3, 3, 3]).propose(3, 4) == [3, 3, 3, 3]
+    looping = NgramDrafter([5, 6, 3, 3, 3])
+    assert looping.propose(3, 2) == [3, 3]
+    looping.extend([3, 3, 3])  # the copy, one token behind the present, stays on
+    assert looping.guess_next() == 3
+    assert looping.propose(3, 3) == [3, 3, 3]
 
 
 def test_a_long_history_steps_without_rescanning() -> None:
