@@ -57,8 +57,8 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     mixed_step: bool  # decode and a prompt's chunk in one pass (mlx_adapter/mixed_step.py)
     joining_cache: bool  # joins and leaves at one copy of each row (mlx_adapter/batch_joins.py)
     # Drafts verified in the batch's pass (engine/speculation.py): n-gram drafts on the CPU, where
-    # code editing measured 3.4x and free-form chat drafted nothing (bench/speculative_edit.py);
-    # opt-in on a GPU, which is unmeasured.
+    # code editing measured 2.5-3.4x and free-form chat 0.97x (bench/speculative_edit.py); opt-in
+    # on a GPU, which is unmeasured.
     speculate: Speculate
     prefill_batch_size: int
     prefill_step_size: int
