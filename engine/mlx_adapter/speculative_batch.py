@@ -127,7 +127,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 num_kept = keep_greedy(row_drafts, row_best)
                 token = row_best[num_kept]
             elif drafting is not None and row_drafts:
-                scaled = logprobs[index] * (1.0 / drafting.temperature)
+                scaled = row_logprobs * (1.0 / drafting.temperature)
                 num_kept, token = keep_sampled(row_drafts, scaled)
             else:
                 token, row_logprobs = self._sample_alone(index, inputs[index, :1], logits[index, :1])
