@@ -4,6 +4,7 @@ leftovers (interrupted writes' temp files, old quarantined files) it can do with
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ DAY_S = 86400.0
 
 
 def du_direct(args: argparse.Namespace, cache_dir: Path) -> int:
+    from semantic.storage.agents_folder import is_real_dir
     from semantic.storage.cache_dir_files import agents_in, model_folders, roots
 
     rows: list[dict[str, Any]] = []
@@ -24,17 +26,25 @@ def du_direct(args: argparse.Namespace, cache_dir: Path) -> int:
         rows += [{"what": "agent", "name": f"{where}/{a.agent_id}", "bytes": a.num_bytes} for a in agents]
     for root in roots(cache_dir):
         for name in ("quarantine", "newer-format"):
-            if (root / name).is_dir():
+            if is_real_dir(root / name):
                 where = str((root / name).relative_to(cache_dir))
                 rows.append(
                     {"what": name, "name": where, "bytes": sum(_size(p) for p in (root / name).iterdir())}
                 )
     print_rows(args, rows, ["what", "bytes", "name"])
+    _report_links(cache_dir)
     return 0
 
 
 def du_server(args: argparse.Namespace, cache_dir: Path, server: Server) -> int:
     return du_direct(args, cache_dir)
+
+
+def _report_links(cache_dir: Path) -> None:
+    from semantic.storage.cache_dir_files import linked_folders
+
+    for link in linked_folders(cache_dir):
+        print(f"skipped {link}: a symbolic link, not followed out of the cache dir", file=sys.stderr)
 
 
 def _size(path: Path) -> int:
@@ -53,6 +63,7 @@ def gc_direct(args: argparse.Namespace, cache_dir: Path) -> int:
         print(f"{'removed' if args.delete else 'would remove'} {path}")
     verb = "removed" if args.delete else "would remove (dry run; --delete removes)"
     print(f"{verb} {len(found)} files older than {args.older_than:g} days: {num_bytes} bytes")
+    _report_links(cache_dir)
     return 0
 
 

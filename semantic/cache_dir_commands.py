@@ -51,12 +51,14 @@ def _cache_dir(args: argparse.Namespace) -> tuple[Path, str | None]:
 def run_on_cache_dir(args: argparse.Namespace, direct: Direct, via_server: ViaServer | str) -> None:
     """Run `direct` holding the cache dir's lock; where a server holds it, `via_server` (or refuse,
     where it is a reason)."""
-    from semantic.storage.cache_dir_lock import CacheDirBusyError, CacheDirLock, LockHolder
+    from semantic.storage.cache_dir_lock import CacheDirBusyError, CacheDirLock, LockFileError, LockHolder
 
     cache_dir, api_key = _cache_dir(args)
     lock = CacheDirLock(cache_dir, LockHolder(os.getpid(), "command"))
     try:
         lock.acquire()
+    except LockFileError as error:
+        raise SystemExit(f"semantic: {error}") from None
     except CacheDirBusyError as error:
         holder = error.holder
         if holder is None or holder.role != "server":

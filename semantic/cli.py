@@ -170,6 +170,13 @@ def serve(args: argparse.Namespace) -> None:
     if rank == 0:
         _check_bind(settings)
     configure_logging(settings.logging)
+    if loaded.sources.get("server.api_key") == "command line":
+        from loguru import logger
+
+        logger.warning(
+            "the API key came by --api-key, which any user of this machine can read in `ps`; "
+            "set SEMANTIC_SERVER_API_KEY or server.api_key in a --config file instead"
+        )
     _ensure_default_model(settings)
     if rank > 0:  # under mlx.launch: rank 0 serves, this rank runs its shard of every tick
         from semantic.server import run_follower
@@ -242,13 +249,15 @@ def generate(args: argparse.Namespace) -> None:
 
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
-    from semantic.storage.cache_dir_lock import CacheDirBusyError, CacheDirLock, LockHolder
+    from semantic.storage.cache_dir_lock import CacheDirBusyError, CacheDirLock, LockFileError, LockHolder
 
     try:  # it writes caches and conversations like a server: one writer per cache dir
         with CacheDirLock(_cache_dir(settings), LockHolder(os.getpid(), "command")):
             asyncio.run(_generate(args, settings))
     except CacheDirBusyError as error:
         raise SystemExit(f"semantic generate: {error}; ask that server instead") from None
+    except LockFileError as error:
+        raise SystemExit(f"semantic generate: {error}") from None
 
 
 def fetch_model(args: argparse.Namespace) -> None:

@@ -38,7 +38,7 @@ from semantic.engine.registry import ModelEntry
 from semantic.protocols.app import create_app
 from semantic.protocols.common import GATE_KEY, SYSTEM_KEY
 from semantic.protocols.connections import CappedSite
-from semantic.storage.cache_dir_lock import CacheDirBusyError, CacheDirLock, LockHolder
+from semantic.storage.cache_dir_lock import CacheDirBusyError, CacheDirLock, LockFileError, LockHolder
 from semantic.storage.shard_files import ShardFiles
 
 HANDLER_GRACE_S = 5.0  # after the engine is drained, for handlers to write their last events
@@ -112,6 +112,8 @@ def run_server(config: SystemConfig, settings: Settings) -> int:
         raise SystemExit(
             f"semantic: refusing to serve: {error}; stop it first, or serve another --cache-dir"
         ) from None
+    except LockFileError as error:
+        raise SystemExit(f"semantic: refusing to serve: {error}") from None
 
 
 def run_follower(config: SystemConfig) -> int:

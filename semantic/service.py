@@ -4,10 +4,12 @@ LaunchAgent on macOS or a systemd user unit on Linux, with the settings `serve` 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -15,15 +17,19 @@ from typing import TYPE_CHECKING
 
 from semantic import service_logs
 from semantic.cli_settings import add_settings_args, load_settings_from
+from semantic.config import ENV_PREFIX, SECRET_KEYS
 from semantic.service_units import (
+    CONTROL_CHARACTER,
     FLUSH_MARGIN_S,
     Platform,
     ServiceSpec,
     UnitInfo,
+    env_file_path,
     host_platform,
     installed_unit,
     launchd_label,
     render,
+    render_env_file,
     unit_path,
 )
 
@@ -39,24 +45,46 @@ def _fail(message: str) -> SystemExit:
     return SystemExit(f"semantic service: {message}")
 
 
-def _serve_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """The settings flags given to `install`, as `serve` takes them, paths made absolute."""
+def _usage_error(message: str) -> SystemExit:
+    print(f"semantic service: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def _refuse_control_characters(flag: str, value: str) -> None:
+    """A newline would start a directive of its own in a systemd unit, and a plist holds none: said
+    in one line that names the flag, never the value (it may be a key)."""
+    if CONTROL_CHARACTER.search(value):
+        raise _usage_error(f"{flag}: a control character (a newline, a tab...) cannot go in a service unit")
+
+
+def _serve_flags(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[str], dict[str, str]]:
+    """The settings flags given to `install`, as `serve` takes them (paths made absolute), and the
+    secret ones as the SEMANTIC_* variables `serve` also reads, to keep them off its command line."""
     words: list[str] = []
+    secret_env: dict[str, str] = {}
     for action in parser._actions:
         if not action.dest.startswith("setting:") or action.dest not in vars(args):
             continue
         value = getattr(args, action.dest)
         flag = action.option_strings[0]
+        key = action.dest.removeprefix("setting:")
         if isinstance(action, argparse._StoreConstAction):
             words.append(flag)
-        elif isinstance(value, list):
-            for item in value:
-                words += [flag, str(item)]
+            continue
+        if isinstance(value, list):
+            texts = [str(item) for item in value]
         else:
-            key = action.dest.removeprefix("setting:")
             absolute = key in PATH_SETTINGS or (key == "model.name" and Path(value).expanduser().exists())
-            words += [flag, str(Path(value).expanduser().absolute()) if absolute else str(value)]
-    return words
+            texts = [str(Path(value).expanduser().absolute()) if absolute else str(value)]
+        for text in texts:
+            _refuse_control_characters(flag, text)
+            if key in SECRET_KEYS:
+                secret_env[ENV_PREFIX + key.replace(".", "_").upper()] = text
+            else:
+                words += [flag, text]
+    return words, secret_env
 
 
 def _cache_dir(settings: Settings) -> Path:
@@ -79,12 +107,14 @@ def build_spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Ser
     argv = [sys.executable, "-m", "semantic.cli", "serve"]
     if args.config is not None:
         argv += ["--config", str(args.config.expanduser().absolute())]
-    flags = _serve_flags(parser, args)
+    flags, secret_env = _serve_flags(parser, args)
     argv += flags
     if "--cache-dir" not in flags:  # the service's environment has no XDG_CACHE_HOME of ours
         argv += ["--cache-dir", str(cache_dir)]
     if "--log-file" not in flags:
         argv += ["--log-file", str(log_file)]
+    for flag, word in itertools.pairwise(argv):  # values from the config file or environment too
+        _refuse_control_characters(flag, word)
     info = UnitInfo(
         name=args.name,
         log_file=str(log_file),
@@ -94,7 +124,14 @@ def build_spec(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Ser
         version=__version__,
     )
     stop_s = settings.server.shutdown_timeout_s + FLUSH_MARGIN_S
-    return ServiceSpec(info=info, argv=argv, working_dir=str(cache_dir), stop_timeout_s=stop_s)
+    return ServiceSpec(
+        info=info,
+        argv=argv,
+        working_dir=str(cache_dir),
+        stop_timeout_s=stop_s,
+        secret_env=secret_env,
+        env_file=str(env_file_path(Path.home(), args.name)),
+    )
 
 
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -120,25 +157,45 @@ def _gui_domain() -> str:
     return f"gui/{os.getuid()}"
 
 
+def _write_private(path: Path, text: str, is_secret: bool) -> None:
+    """Write `path` whole (a staged file renamed over it), created 0600 so no other user can open it
+    at any moment; a secret's folder is made private before any of it is written."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if is_secret:
+        path.parent.chmod(0o700)
+    fd, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # O_EXCL, mode 0600
+    try:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        os.replace(staged, path)
+    except BaseException:
+        Path(staged).unlink(missing_ok=True)
+        raise
+
+
 def install(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     platform: Platform = args.platform or host_platform()
     spec = build_spec(parser, args)
     text = render(platform, spec)
     path = unit_path(platform, Path.home(), args.name)
+    env_file = Path(spec.env_file)
+    uses_env_file = platform == "linux" and bool(spec.secret_env)
     if args.dry_run:
         print(f"# would write {path}", file=sys.stderr)
+        if uses_env_file:
+            print(f"# and {env_file} (mode 0600: the API key)", file=sys.stderr)
         sys.stdout.write(text)
         return
     if platform != host_platform() and not args.no_start:
         raise _fail(f"--platform {platform} is not this machine's: use --dry-run or --no-start")
     installed_unit(path)  # refuses a unit someone else wrote
-    path.parent.mkdir(parents=True, exist_ok=True)
     Path(spec.info.log_file).parent.mkdir(parents=True, exist_ok=True)
     Path(spec.info.stderr_file).parent.mkdir(parents=True, exist_ok=True)
-    staged = path.with_name(f".{path.name}.{os.getpid()}")
-    staged.write_text(text)
-    staged.chmod(0o600)  # the command line may hold an API key
-    os.replace(staged, path)
+    if uses_env_file:
+        _write_private(env_file, render_env_file(spec), is_secret=True)
+    else:
+        env_file.unlink(missing_ok=True)  # a key an earlier install kept there
+    _write_private(path, text, is_secret=platform == "macos" and bool(spec.secret_env))
     print(f"wrote {path}")
     if args.no_start:
         return
@@ -168,6 +225,7 @@ def uninstall(args: argparse.Namespace) -> None:
         else:
             _run("systemctl", "--user", "disable", "--now", f"{args.name}.service")
     path.unlink()
+    env_file_path(Path.home(), args.name).unlink(missing_ok=True)
     if platform == "linux" and platform == host_platform() and not args.file_only:
         _run("systemctl", "--user", "daemon-reload")
     print(f"removed {path}; logs kept in {Path(info.log_file).parent}")

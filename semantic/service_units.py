@@ -14,6 +14,9 @@ import msgspec
 Platform = Literal["macos", "linux"]
 MARKER = "semantic-service-unit"
 LABEL_PREFIX = "dev.semantic."
+# Any of these ends a systemd line early (a directive of its own follows) or is refused by plistlib.
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_ENV_FILE_SPECIAL = re.compile(r'[\\"`$]')  # escaped by a backslash in an EnvironmentFile's "..."
 # launchd and systemd kill a service this long after SIGTERM; the server's own shutdown timeout
 # (running requests) comes first, then every agent's cache is flushed to disk, which this covers.
 FLUSH_MARGIN_S = 60
@@ -32,15 +35,21 @@ class UnitInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):
     info: UnitInfo
-    argv: list[str]  # the serve command, absolute interpreter first
+    argv: list[str]  # the serve command, absolute interpreter first; never a secret
     working_dir: str
     stop_timeout_s: float
+    env_file: str  # where a systemd unit reads secret_env from; a plist holds it itself
+    secret_env: dict[str, str] = {}  # SEMANTIC_* variables kept off the command line
 
 
 def unit_path(platform: Platform, home: Path, name: str) -> Path:
     if platform == "macos":
         return home / "Library" / "LaunchAgents" / f"{launchd_label(name)}.plist"
     return home / ".config" / "systemd" / "user" / f"{name}.service"
+
+
+def env_file_path(home: Path, name: str) -> Path:
+    return home / ".config" / "semantic" / f"{name}.env"
 
 
 def launchd_label(name: str) -> str:
@@ -69,23 +78,36 @@ def render_plist(spec: ServiceSpec) -> str:
         "ProcessType": "Interactive",  # not throttled to background QoS: it answers interactive tools
         "StandardOutPath": spec.info.stderr_file,
         "StandardErrorPath": spec.info.stderr_file,
-        "EnvironmentVariables": {"PYTHONUNBUFFERED": "1"},
+        "EnvironmentVariables": {"PYTHONUNBUFFERED": "1", **spec.secret_env},
     }
     text = plistlib.dumps(plist, sort_keys=False).decode()
     head, sep, body = text.partition("<plist")
     return f"{head}<!-- {MARKER} {_marker_json(spec.info)} -->\n{sep}{body}"
 
 
+def _checked(value: str) -> str:
+    if CONTROL_CHARACTER.search(value):
+        raise ValueError("a control character reached a unit: the installer refuses these first")
+    return value
+
+
 def _systemd_word(word: str) -> str:
     """One ExecStart argument in systemd's quoting: "..." with \\ and " escaped, % and $ doubled."""
-    escaped = word.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
+    escaped = _checked(word).replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
     return f'"{escaped}"'
 
 
 def _systemd_value(value: str) -> str:
-    if "\n" in value:
-        raise ValueError(f"a newline cannot go in a systemd unit: {value!r}")
-    return value.replace("%", "%%")
+    return _checked(value).replace("%", "%%")
+
+
+def render_env_file(spec: ServiceSpec) -> str:
+    """systemd's EnvironmentFile: each value in double quotes, a backslash before " \\ ` and $."""
+    lines = []
+    for name, value in spec.secret_env.items():
+        escaped = _ENV_FILE_SPECIAL.sub(r"\\\g<0>", _checked(value))
+        lines.append(f'{name}="{escaped}"\n')
+    return "".join(lines)
 
 
 def render_systemd(spec: ServiceSpec) -> str:
@@ -101,6 +123,7 @@ def render_systemd(spec: ServiceSpec) -> str:
         "ExecStart=" + " ".join(_systemd_word(word) for word in spec.argv),
         f"WorkingDirectory={_systemd_value(spec.working_dir)}",
         "Environment=PYTHONUNBUFFERED=1",
+        *([f"EnvironmentFile={_systemd_value(spec.env_file)}"] if spec.secret_env else []),
         "Restart=on-failure",
         "RestartSec=5",
         "KillSignal=SIGTERM",

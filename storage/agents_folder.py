@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -44,12 +45,12 @@ def adopt_conversations(legacy_dir: Path, agents_dir: Path) -> int:
     folder it named by its weaker fingerprint into this model's folder, once (where that folder does
     not exist yet), so no agent of the direct API is lost. Its cache files stay behind, unread: made
     in format 2 and under a fingerprint that could not tell apart weights that differ mid-file."""
-    if agents_dir.exists() or not legacy_dir.is_dir():
+    if os.path.lexists(agents_dir) or not is_real_dir(legacy_dir):
         return 0
     agents_dir.mkdir(parents=True, exist_ok=True)
     moved = 0
     for path in legacy_dir.iterdir():
-        if path.name.endswith(CONVERSATION_SUFFIX) and not is_temp_name(path.name):
+        if path.name.endswith(CONVERSATION_SUFFIX) and not is_temp_name(path.name) and not path.is_symlink():
             os.replace(path, agents_dir / path.name)
             moved += 1
     if moved:
@@ -80,10 +81,11 @@ def agent_file_named(name: str) -> tuple[AgentId, bool] | None:
 def scan_folder(agents_dir: Path) -> tuple[dict[AgentId, DiskEntry], dict[AgentId, CacheFileUse]]:
     """Worker thread, at start: index the folder (and its cache files' sizes and last uses) and
     remove the temp files and staging folders a crash left behind, which the disk budget counts
-    only while their write runs."""
+    only while their write runs. A link is never followed: one with a temp name is removed as a
+    link, any other passed by."""
     index: dict[AgentId, DiskEntry] = {}
     uses: dict[AgentId, CacheFileUse] = {}
-    if not agents_dir.exists():
+    if not is_real_dir(agents_dir):
         return index, uses
     num_freed_bytes, num_removed = 0, 0
     for path in agents_dir.iterdir():
@@ -94,6 +96,9 @@ def scan_folder(agents_dir: Path) -> tuple[dict[AgentId, DiskEntry], dict[AgentI
             continue
         named = agent_file_named(name)
         if named is None:
+            continue
+        if path.is_symlink():
+            logger.warning("skipping {}: a symbolic link, not followed", path)
             continue
         agent_id, is_cache = named
         entry = index.setdefault(agent_id, DiskEntry())
@@ -122,6 +127,23 @@ def remove_temp(path: Path) -> int:
     num_bytes = sum(inner.lstat().st_blocks * 512 for inner in path.iterdir())
     shutil.rmtree(path, ignore_errors=True)
     return num_bytes
+
+
+def is_real_dir(path: Path) -> bool:
+    """A folder itself, not a link to one: nothing here goes through a link out of the cache dir."""
+    try:
+        return stat.S_ISDIR(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
+def own_folder(folder: Path) -> None:
+    """Make `folder` a folder of its own before moving files into it: a link in its place is
+    removed as a link (what it points at stays as it was), so nothing lands outside the cache dir."""
+    if folder.is_symlink():
+        logger.warning("replacing the link {} with a folder: semantic never writes through links", folder)
+        folder.unlink()
+    folder.mkdir(parents=True, exist_ok=True)
 
 
 def ignores_case(folder: Path) -> bool:
@@ -185,7 +207,7 @@ def quarantined_at(path: Path) -> int:
 def move_aside(path: Path, quarantine_dir: Path) -> bool:
     """Move a file that cannot be used into `quarantine_dir` (for a person to look at), which keeps
     the newest MAX_QUARANTINED: a disk that keeps damaging files must not fill up with them."""
-    quarantine_dir.mkdir(parents=True, exist_ok=True)
+    own_folder(quarantine_dir)
     target = quarantine_dir / f"{path.name}.{time.time_ns()}"
     try:
         os.replace(path, target)
@@ -204,7 +226,7 @@ NEWER_FORMAT_DIR = "newer-format"  # beside quarantine/: files a later release w
 def set_aside(path: Path, folder: Path) -> bool:
     """Move a file of a newer format than this release reads into `folder`, under its own name
     (a later release, or a person, can move it back); False when it is gone."""
-    folder.mkdir(parents=True, exist_ok=True)
+    own_folder(folder)
     try:
         os.replace(path, folder / path.name)
     except FileNotFoundError:

@@ -21,6 +21,7 @@ from semantic.storage.agents_folder import (
     NEWER_FORMAT_DIR,
     SUFFIX,
     agent_file_named,
+    is_real_dir,
     move_aside,
     quarantined_at,
     remove_temp,
@@ -71,7 +72,7 @@ class AgentFiles:
 
     @property
     def num_bytes(self) -> int:
-        return sum(path.stat().st_size for path in self.paths)
+        return sum(path.lstat().st_size for path in self.paths)
 
     def header(self) -> dict[str, str]:
         """Its cache file's header ({} when it has none or it is unreadable)."""
@@ -82,23 +83,44 @@ class AgentFiles:
 
 
 def roots(cache_dir: Path) -> list[Path]:
-    """The folders that hold `agents/` and `quarantine/`: the cache dir and a group's rank folders."""
-    ranks = sorted(p for p in cache_dir.glob("rank-*-of-*") if RANK_FOLDER.fullmatch(p.name) and p.is_dir())
+    """The folders that hold `agents/` and `quarantine/`: the cache dir and a group's rank folders
+    (every folder found here is one of its own: links are passed by, see `linked_folders`)."""
+    ranks = sorted(
+        p for p in cache_dir.glob("rank-*-of-*") if RANK_FOLDER.fullmatch(p.name) and is_real_dir(p)
+    )
     return [cache_dir, *ranks]
 
 
 def model_folders(cache_dir: Path) -> Iterator[Path]:
     for root in roots(cache_dir):
         agents = root / "agents"
-        if agents.is_dir():
-            yield from sorted(p for p in agents.iterdir() if p.is_dir() and MODEL_FOLDER.fullmatch(p.name))
+        if is_real_dir(agents):
+            yield from sorted(
+                p for p in agents.iterdir() if is_real_dir(p) and MODEL_FOLDER.fullmatch(p.name)
+            )
+
+
+def linked_folders(cache_dir: Path) -> list[Path]:
+    """The links where the cache dir's own folders would be (a rank's, `agents/`, a model's,
+    `quarantine/`, `newer-format/`), which every command passes by, unfollowed."""
+    found = [p for p in cache_dir.glob("rank-*-of-*") if RANK_FOLDER.fullmatch(p.name) and p.is_symlink()]
+    for root in roots(cache_dir):
+        found += [
+            root / name for name in ("agents", "quarantine", NEWER_FORMAT_DIR) if (root / name).is_symlink()
+        ]
+        if is_real_dir(root / "agents"):
+            found += [
+                p for p in (root / "agents").iterdir() if MODEL_FOLDER.fullmatch(p.name) and p.is_symlink()
+            ]
+    return sorted(found)
 
 
 def agents_in(folder: Path) -> dict[AgentId, AgentFiles]:
+    """The agents whose files the folder holds; a link is not an agent's file (`verify` says so)."""
     found: dict[AgentId, AgentFiles] = {}
     for path in sorted(folder.iterdir()):
         named = agent_file_named(path.name)
-        if named is None:
+        if named is None or path.is_symlink():
             continue
         agent_id, is_cache = named
         files = found.setdefault(agent_id, AgentFiles(agent_id, folder))
@@ -159,6 +181,9 @@ def verify(cache_dir: Path) -> tuple[int, list[Finding]]:
             if is_temp_name(path.name):
                 continue  # an interrupted write's leftovers: `cache gc` removes them
             num_checked += 1
+            if path.is_symlink():  # moved aside as a link: what it points at is not the cache's
+                findings.append(Finding(path, "a symbolic link, not followed", is_newer=False))
+                continue
             try:
                 _check(path, folder.name)
             except (CacheFileError, ConversationFileError, InvalidAgentIdError) as error:
@@ -195,7 +220,7 @@ def leftovers(cache_dir: Path, older_than_s: float, now: float) -> list[Path]:
         ]
     for root in roots(cache_dir):
         quarantine = root / "quarantine"
-        if quarantine.is_dir():
+        if is_real_dir(quarantine):
             found += [p for p in sorted(quarantine.iterdir()) if now - _moved_at(p) > older_than_s]
     return found
 

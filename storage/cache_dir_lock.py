@@ -8,8 +8,10 @@ never leaves the cache dir locked; the words left in the file are then only hist
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -39,6 +41,17 @@ class CacheDirBusyError(RuntimeError):
         self.holder = holder
 
 
+class LockFileError(RuntimeError):
+    """The lock file's place holds a link, a folder or another special file: locking, writing or
+    emptying it would act on something the cache dir does not own."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        super().__init__(
+            f"the lock file {path} is {what}, not a file of its own; semantic never follows links out of "
+            "the cache dir: remove it and try again"
+        )
+
+
 _decode_holder = msgspec.json.Decoder(LockHolder).decode
 
 
@@ -54,7 +67,7 @@ class CacheDirLock:
     def acquire(self) -> None:
         assert self._fd is None, "CacheDirLock acquired twice: caller bug"
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_own_file(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -85,8 +98,44 @@ def read_holder(path: Path, wait_s: float = HOLDER_WRITE_WAIT_S) -> LockHolder |
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            return _decode_holder(path.read_bytes())
+            return _decode_holder(_read_own_file(path))
+        except LockFileError:
+            return None  # it is not read through a link
         except (OSError, msgspec.DecodeError):
             if time.monotonic() >= deadline:
                 return None
         time.sleep(0.02)
+
+
+def _open_own_file(path: Path, flags: int) -> int:
+    """Open `path` itself, never what a link in its place points at (a dangling one is not created
+    either), and only a regular file with no other name; LockFileError otherwise."""
+    try:  # O_NONBLOCK: a FIFO in its place must not hang the open
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as error:
+        if error.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise
+        raise LockFileError(path, _what_is(os.lstat(path))) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        raise LockFileError(path, _what_is(info))
+    return fd
+
+
+def _read_own_file(path: Path) -> bytes:
+    fd = _open_own_file(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, 4096, 0)
+    finally:
+        os.close(fd)
+
+
+def _what_is(info: os.stat_result) -> str:
+    if stat.S_ISLNK(info.st_mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(info.st_mode):
+        return "a folder"
+    if stat.S_ISREG(info.st_mode):
+        return "a hard link (a file with other names)"
+    return "a special file"

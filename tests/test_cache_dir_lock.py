@@ -1,5 +1,6 @@
 """One writer per cache dir: the lock refuses a second holder (naming the first), a server refuses
-to start where a command holds it, and a holder that dies leaves the cache dir free."""
+to start where a command holds it, a holder that dies leaves the cache dir free, and a lock file
+that is a link or a folder is refused, its target left as it was."""
 
 from __future__ import annotations
 
@@ -8,10 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from semantic.storage.cache_dir_lock import CacheDirBusyError, CacheDirLock, LockHolder
+from semantic.storage.cache_dir_lock import (
+    LOCK_NAME,
+    CacheDirBusyError,
+    CacheDirLock,
+    LockHolder,
+    read_holder,
+)
 from tests.server_process import ServerProcess
+from tests.test_agents_cli import semantic
 
 
 def test_a_second_holder_is_refused_and_told_who_holds_it(tmp_path: Path) -> None:
@@ -49,3 +58,53 @@ def test_a_server_refuses_a_cache_dir_a_command_holds(default_model_dir: Path, t
         with pytest.raises(RuntimeError, match=r"refusing to serve: the cache dir .* semantic command"):
             server.start()
         assert server.proc is not None and server.proc.returncode == 1
+
+
+@pytest.mark.parametrize(
+    "command", [["agents", "ls"], ["agents", "verify"], ["cache", "gc"], ["cache", "du"]]
+)
+def test_a_command_refuses_a_lock_file_that_is_a_link_and_leaves_its_target_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    cache_dir, victim = tmp_path / "cache", tmp_path / "victim.txt"
+    cache_dir.mkdir()
+    victim.write_bytes(b"precious")
+    (cache_dir / LOCK_NAME).symlink_to(victim)
+    code, _, err = semantic(capsys, cache_dir, *command)
+    assert code == 1 and f"the lock file {cache_dir / LOCK_NAME} is a symbolic link" in err, err
+    assert victim.read_bytes() == b"precious"
+
+
+def test_a_dangling_link_or_a_folder_for_a_lock_file_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache_dir, victim = tmp_path / "cache", tmp_path / "victim.txt"
+    cache_dir.mkdir()
+    (cache_dir / LOCK_NAME).symlink_to(victim)
+    code, _, err = semantic(capsys, cache_dir, "cache", "gc")
+    assert code == 1 and "is a symbolic link" in err and not victim.exists()
+    (cache_dir / LOCK_NAME).unlink()
+    (cache_dir / LOCK_NAME).mkdir()
+    code, _, err = semantic(capsys, cache_dir, "agents", "ls")
+    assert code == 1 and f"the lock file {cache_dir / LOCK_NAME} is a folder" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_holder_is_never_read_through_a_link(tmp_path: Path) -> None:
+    victim = tmp_path / "victim.json"
+    victim.write_bytes(msgspec.json.encode(LockHolder(4321, "server", "127.0.0.1", 9)))
+    (tmp_path / LOCK_NAME).symlink_to(victim)
+    assert read_holder(tmp_path / LOCK_NAME, wait_s=0) is None
+    assert read_holder(victim, wait_s=0) == LockHolder(4321, "server", "127.0.0.1", 9)
+
+
+def test_a_server_refuses_a_lock_file_that_is_a_link(default_model_dir: Path, tmp_path: Path) -> None:
+    cache_dir, victim = tmp_path / "cache", tmp_path / "victim.txt"
+    cache_dir.mkdir()
+    victim.write_bytes(b"precious")
+    (cache_dir / LOCK_NAME).symlink_to(victim)
+    server = ServerProcess(cache_dir, "--model", str(default_model_dir))
+    with pytest.raises(RuntimeError, match=r"refusing to serve: the lock file .* is a symbolic link"):
+        server.start()
+    assert server.proc is not None and server.proc.returncode == 1
+    assert victim.read_bytes() == b"precious" and "Traceback" not in server.log()

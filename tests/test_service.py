@@ -143,6 +143,84 @@ def test_install_refuses_a_unit_it_did_not_write(home: Path, capsys: pytest.Capt
         assert path.read_text() == foreign
 
 
+INJECTED = "\nExecStartPre=/bin/touch /tmp/semantic-injected"
+
+
+@pytest.mark.parametrize("platform", ["linux", "macos"])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--api-key", "key" + INJECTED),
+        ("--log-file", "/tmp/semantic.log" + INJECTED),
+        ("--alias", "claude*=" + INJECTED),
+        ("--cache-dir", "/tmp/cache" + INJECTED),
+        ("--log-file", "/tmp/bell\x07.log"),
+    ],
+)
+def test_a_control_character_in_a_flag_is_refused_in_one_line(
+    home: Path, platform: str, flag: str, value: str, capsys: pytest.CaptureFixture
+) -> None:
+    for mode in ("--dry-run", "--no-start"):
+        assert service("install", mode, "--platform", platform, flag, value) == 2  # a usage error
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.count("\n") == 1, out.err
+        assert flag in out.err and "control character" in out.err
+        assert "ExecStartPre" not in out.err  # the value, which may be a key, is not echoed
+    assert list(home.rglob("*")) == []
+
+
+@pytest.mark.parametrize(
+    "platform, holding_key",
+    [("linux", ".config/semantic/semantic.env"), ("macos", "Library/LaunchAgents/dev.semantic.plist")],
+)
+def test_the_file_holding_the_key_and_its_folder_are_private(
+    home: Path, tmp_path: Path, platform: str, holding_key: str
+) -> None:
+    umask = os.umask(0)  # what reaches the disk is what the installer asked for, nothing narrower
+    try:
+        argv = ["--platform", platform, "--cache-dir", str(tmp_path / "cache"), "--api-key", "k"]
+        assert service("install", "--no-start", *argv) == 0
+    finally:
+        os.umask(umask)
+    path = home / holding_key
+    assert "SEMANTIC_SERVER_API_KEY" in path.read_text()
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert [p.name for p in path.parent.iterdir() if p.name.startswith(".")] == []  # nothing staged left
+
+
+@pytest.mark.parametrize("platform", ["linux", "macos"])
+def test_the_api_key_reaches_the_service_by_a_private_file_not_its_command_line(
+    home: Path, tmp_path: Path, platform: str, capsys: pytest.CaptureFixture
+) -> None:
+    key = 'k"$%\\e y'
+    argv = ["--platform", platform, "--cache-dir", str(tmp_path / "cache")]
+    assert service("install", "--no-start", *argv, "--api-key", key) == 0
+    if platform == "macos":
+        unit = home / "Library/LaunchAgents/dev.semantic.plist"
+        plist = plistlib.loads(unit.read_bytes())
+        assert key not in plist["ProgramArguments"] and "--api-key" not in plist["ProgramArguments"]
+        assert plist["EnvironmentVariables"]["SEMANTIC_SERVER_API_KEY"] == key
+        secret_file = unit
+    else:
+        unit = home / ".config/systemd/user/semantic.service"
+        serv = _systemd_unit(unit.read_text())["Service"]
+        assert "--api-key" not in serv["ExecStart"] and "e y" not in unit.read_text()
+        secret_file = home / ".config/semantic/semantic.env"
+        assert serv["EnvironmentFile"] == str(secret_file)
+        # systemd's double quotes: \ before " \ ` and $, the rest as written
+        assert secret_file.read_text() == 'SEMANTIC_SERVER_API_KEY="k\\"\\$%\\\\e y"\n'
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+
+    assert service("install", "--no-start", *argv) == 0  # without a key: none left behind
+    assert "SEMANTIC_SERVER_API_KEY" not in unit.read_text() and "EnvironmentFile" not in unit.read_text()
+    assert not (home / ".config/semantic/semantic.env").exists()
+    assert service("install", "--no-start", *argv, "--api-key", key) == 0
+    assert service("uninstall", "--file-only", "--platform", platform) == 0
+    assert not unit.exists() and not (home / ".config/semantic/semantic.env").exists()
+    capsys.readouterr()
+
+
 def test_install_status_logs_uninstall_in_a_temporary_home(
     home: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -150,7 +228,7 @@ def test_install_status_logs_uninstall_in_a_temporary_home(
     argv = ["--platform", "linux", "--cache-dir", str(cache), "--port", str(port), "--api-key", "k"]
     assert service("install", "--no-start", *argv) == 0
     path = home / ".config/systemd/user/semantic.service"
-    assert path.stat().st_mode & 0o777 == 0o600  # the command line holds the API key
+    assert path.stat().st_mode & 0o777 == 0o600
     assert service("install", "--no-start", *argv[:-2]) == 0  # ours: replaced
     assert "--api-key" not in path.read_text()
     capsys.readouterr()
@@ -260,13 +338,15 @@ def _main_pid(name: str) -> str:
     return subprocess.run(show, capture_output=True, text=True, check=True).stdout.strip()
 
 
-def test_serve_with_a_log_file_writes_its_lines_there(
+def test_serve_logs_to_its_file_and_warns_of_a_key_on_its_command_line(
     server_factory: Callable[..., ServerProcess], default_model_dir: Path, tmp_path: Path
 ) -> None:
     log = tmp_path / "served.log"
-    server = server_factory("--model", str(default_model_dir), "--log-file", str(log)).start()
+    argv = ["--model", str(default_model_dir), "--log-file", str(log), "--api-key", "k"]
+    server = server_factory(*argv).start()
     with urllib.request.urlopen(f"{server.base_url}/health/ready", timeout=10) as reply:
         assert reply.status == 200
     assert server.stop() == 0
     assert " INFO " in log.read_text()
     assert " INFO " not in server.log()  # stderr: warnings only
+    assert "--api-key" in server.log() and "SEMANTIC_SERVER_API_KEY" in server.log()
