@@ -55,6 +55,8 @@ def _refuse_control_characters(flag: str, value: str) -> None:
     in one line that names the flag, never the value (it may be a key)."""
     if CONTROL_CHARACTER.search(value):
         raise _usage_error(f"{flag}: a control character (a newline, a tab...) cannot go in a service unit")
+    if value.endswith("\\"):  # systemd would join the unit's next line onto this one
+        raise _usage_error(f"{flag}: a value ending in a backslash cannot go in a service unit")
 
 
 def _serve_flags(

@@ -86,8 +86,10 @@ def render_plist(spec: ServiceSpec) -> str:
 
 
 def _checked(value: str) -> str:
-    if CONTROL_CHARACTER.search(value):
-        raise ValueError("a control character reached a unit: the installer refuses these first")
+    if CONTROL_CHARACTER.search(value) or value.endswith("\\"):
+        raise ValueError(
+            "a control character or a last backslash reached a unit: the installer refuses these first"
+        )
     return value
 
 

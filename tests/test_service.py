@@ -169,6 +169,14 @@ def test_a_control_character_in_a_flag_is_refused_in_one_line(
     assert list(home.rglob("*")) == []
 
 
+def test_a_value_ending_in_a_backslash_is_refused(home: Path, capsys: pytest.CaptureFixture) -> None:
+    """systemd joins a line that ends in a backslash with the next: a directive of the value's choosing."""
+    assert service("install", "--no-start", "--platform", "linux", "--cache-dir", "/tmp/cache\\") == 2
+    out = capsys.readouterr()
+    assert out.err.count("\n") == 1 and "--cache-dir" in out.err and "backslash" in out.err, out.err
+    assert list(home.rglob("*")) == []
+
+
 @pytest.mark.parametrize(
     "platform, holding_key",
     [("linux", ".config/semantic/semantic.env"), ("macos", "Library/LaunchAgents/dev.semantic.plist")],
