@@ -50,7 +50,7 @@ from semantic.actors.turns import (
 )
 from semantic.engine.commands import DropCache, RestoreCache, SnapshotCaches
 from semantic.engine.engine import Engine
-from semantic.engine.errors import EngineError, LibraryPanic, as_ordinary
+from semantic.engine.errors import EngineError, LibraryPanic, UnsteppableCacheError, as_ordinary
 from semantic.engine.mailbox import Envelope, Mailbox, reply_to
 from semantic.engine.messages import Finished, FinishReason, GenerationRequest
 from semantic.engine.request_stream import RequestStream
@@ -215,6 +215,8 @@ class AgentActor:
         self._running = stream
         try:
             final = await asyncio.shield(stream.done)
+            if isinstance(final, UnsteppableCacheError) and final.is_sole_suspect:
+                await self._quarantine_cache(session, final)
             if conversation is not None and isinstance(final, Finished):
                 await self._conversation.commit(session, prompt, final)
             elif isinstance(final, Finished) and final.reason is not FinishReason.CANCELLED:
@@ -335,6 +337,16 @@ class AgentActor:
         except Exception as error:  # a file that passed its checks and still does not fit
             assert session.persistence is not None and self.agent_id is not None, "restore sent: actor bug"
             await session.persistence.quarantine(self.agent_id, f"could not restore it: {error}")
+
+    async def _quarantine_cache(self, session: ModelSession, error: UnsteppableCacheError) -> None:
+        """The engine could not step this agent's cache (dropped there): its file, if it has one, is
+        the likely source; moved aside, the next turn computes the history from the conversation."""
+        persistence, agent_id = session.persistence, self.agent_id
+        if persistence is None or agent_id is None:
+            return
+        entry = (await persistence.on_disk(agent_id)).get(agent_id)
+        if entry is not None and entry.has_cache:
+            await persistence.quarantine(agent_id, f"a batch step failed with its cache: {error}")
 
     async def _evict(self) -> bool:
         """Write the agent's cache to disk, then free its blocks; False if it had none in memory or

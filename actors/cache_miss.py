@@ -191,14 +191,16 @@ def message_at(
     tools: list[dict[str, Any]] | None,
     prompt_ids: list[int],
     token_index: int,
+    scope: str | None,
 ) -> int | None:
-    """Tokenizer worker: the message whose rendering holds prompt token `token_index`: the fewest
+    """Tokenizer worker: the message whose rendering holds prompt token `token_index` (encoded under
+    the turn's cache salt `scope`, as the prompt was): the fewest
     leading messages whose render still matches the prompt past that token, found by bisection
     (len(messages): the token comes after them); None where the template renders no prefix."""
 
     def covers(num_messages: int) -> bool:
         text = chat.render(messages[:num_messages], tools, add_generation_prompt=False)
-        return common_prefix_length(chat.encode(text), prompt_ids) > token_index
+        return common_prefix_length(chat.encode(text, scope), prompt_ids) > token_index
 
     try:
         if not messages or not covers(len(messages)):
@@ -244,5 +246,7 @@ def explain_in_worker(
     report = explain(note, model_fingerprint, prompt_ids, digest)
     parted_at = report.parted_at
     if parted_at is not None and report.reason is not Reason.MODEL and not is_raw:
-        report = locate(report, message_at(chat, turn.messages, turn.tools, prompt_ids, parted_at))
+        report = locate(
+            report, message_at(chat, turn.messages, turn.tools, prompt_ids, parted_at, turn.cache_salt)
+        )
     return report, digest

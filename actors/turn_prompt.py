@@ -68,5 +68,5 @@ async def build_request(
     if prompt.grammar is not None:
         compile_grammar = session.grammars.matcher
         grammar, trigger = prompt.grammar.grammar, prompt.grammar.trigger
-        request.grammar = await models.tokenize(compile_grammar, grammar, trigger)
+        request.grammar = await models.tokenize(compile_grammar, grammar, trigger, turn.cache_salt)
     return prompt, request

@@ -196,13 +196,14 @@ def prepare_stateless(
     parses_tools = turn.tools is not None and turn.tool_choice.mode != "none"
     stop_after_call = chat.tool_call_closer if prefix else None
     grammar = output_grammar(chat, turn, forced)
-    token_ids = chat.encode(text)
+    token_ids = chat.encode(text, turn.cache_salt)
     breakpoints = [CacheBreakpoint(*b) for b in turn.cache_breakpoints]
+    salt = turn.cache_salt
     return PreparedPrompt(
         token_ids, prefix, parses_tools, text[-512:], stop_after_call, grammar,
         tool_format=chat.tool_format, tools=turn.tools,
-        shared_head_tokens=chat.head_length(turn.messages, turn.tools, text, token_ids),
-        cache_pins=prompt_pins(chat, turn.messages, turn.tools, breakpoints, text, token_ids),
+        shared_head_tokens=chat.head_length(turn.messages, turn.tools, text, token_ids, salt),
+        cache_pins=prompt_pins(chat, turn.messages, turn.tools, breakpoints, text, token_ids, salt),
     )  # fmt: skip
 
 
@@ -249,7 +250,7 @@ def prepare_continuation(
     suffix = chat.continuation(system, turn.messages) if history else chat.opening(system, turn.messages)
     if bound is not None:
         bound.refuse_obviously_long(suffix, num_kept_tokens=len(history))
-    token_ids = history + chat.encode(suffix)
+    token_ids = history + chat.encode(suffix, turn.cache_salt)
     head = [{"role": "system", "content": system}] if system else []
-    shared_head = chat.head_length(head, None, suffix, token_ids) if not history else 0
+    shared_head = chat.head_length(head, None, suffix, token_ids, turn.cache_salt) if not history else 0
     return PreparedPrompt(token_ids, "", False, suffix[-512:], shared_head_tokens=shared_head)

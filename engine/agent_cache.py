@@ -16,6 +16,10 @@ Which idle cache goes first is the eviction policy's (`eviction.py`); the store 
 superseded and which a running sequence started from. A new agent's running sequence holds a
 reference to the blocks it started from, and `cache_control` pins hold theirs (`prefix_pins.py`),
 so those prefixes stay while it runs, or for the pin's ttl.
+
+An agent imported from an archive holds another person's KV: its blocks, and every block its turns
+compute on top of them, are filed under a salt of its own (`imported_salt`), so no other agent's
+prompt finds them, until a turn computes its cache from scratch.
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ from semantic.engine.retention import RunningShares, idle_caches
 MAX_SHARED_STATES = 16
 
 
+def imported_salt(agent_id: str) -> str:
+    """The salt an imported agent's blocks are filed under: its own; no client salt starts with NUL
+    once scoped to a namespace, and an unscoped client that sends it could reach the agent anyway."""
+    return f"\0imported\0{agent_id}"
+
+
 @dataclass(slots=True)
 class AgentCache:
     agent_id: str
@@ -68,6 +78,7 @@ class AgentCache:
     num_running: int = 0
     salt: str | None = None  # the cache salt its full blocks are filed under
     from_disk: bool = False  # restored from a file and not used by a turn since: its tier is "disk"
+    is_imported: bool = False  # its KV came from an archive: filed under `imported_salt` only
 
     @property
     def num_tokens(self) -> int:
@@ -203,6 +214,14 @@ class AgentCacheStore:
         if agent is None:
             return self._shared_prefix_length(prompt, salt)[0]
         return self._resume_point(agent, min(common_prefix_length(agent.token_ids, prompt), len(prompt) - 1))
+
+    def turn_salt(self, agent_id: str, num_cached_tokens: int, salt: str | None) -> str | None:
+        """The salt a turn's blocks are filed under: an imported agent's own while the turn starts
+        from its cache (every later block attends to that KV), else the request's `salt`."""
+        agent = self.agents.get(agent_id)
+        if agent is not None and agent.is_imported and num_cached_tokens:
+            return imported_salt(agent_id)
+        return salt
 
     def held_block_ids(self, token_ids: list[int], salt: str | None) -> list[int]:
         """The pool's full blocks that hold `token_ids`' leading tokens."""
@@ -402,6 +421,7 @@ class AgentCacheStore:
             state_block_ids,
             num_running=num_running,
             salt=salt,
+            is_imported=salt == imported_salt(agent_id),
         )
         if previous is not None:
             self._free(previous)
@@ -510,13 +530,17 @@ class AgentCacheStore:
             values = mx.concatenate([self.codec.decode(p[1]) for p in payloads], axis=2)
             layers.append((keys, values))
             starts.append(start)
-        return CacheSnapshot(agent_id, list(agent.token_ids), layers, starts, list(agent.state_points))
+        return CacheSnapshot(
+            agent_id, list(agent.token_ids), layers, starts, list(agent.state_points), agent.is_imported
+        )
 
     def restore(self, snapshot: HostSnapshot, salt: str | None = None) -> None:
         """Put a snapshot read from disk back into the pool as this agent's cache, its full blocks
         (copied once, from the file's arrays) filed under the salt of the turn that needs it. It
         evicts nothing (the engine makes room first, sparing queued requests' caches): without
-        enough free blocks it raises PoolExhaustedError and takes none."""
+        enough free blocks it raises PoolExhaustedError and takes none. An imported cache's blocks
+        are filed under its own salt instead."""
+        salt = imported_salt(snapshot.agent_id) if snapshot.imported else salt
         self.drop(snapshot.agent_id)
         num_tokens = len(snapshot.token_ids)
         needed = self.num_blocks_to_restore(

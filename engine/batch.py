@@ -10,6 +10,7 @@ when).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -21,7 +22,7 @@ from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_keeper import CacheKeeper
 from semantic.engine.commands import Submit
 from semantic.engine.config import EngineConfig, EngineStats
-from semantic.engine.errors import EngineError
+from semantic.engine.errors import EngineError, UnsteppableCacheError
 from semantic.engine.loading import LoadedModel
 from semantic.engine.messages import (
     FinishReason,
@@ -118,6 +119,9 @@ class Batch:
             agent_id = store.resolve_agent_id(request.agent_id, request.prompt_tokens, salt)
             returning = agent_id in store.agents
             prepared = store.prepare(agent_id, request.prompt_tokens, salt)
+            salt = store.turn_salt(agent_id, prepared.num_cached_tokens, salt)
+            if salt != request.cache_salt:  # the sequence's blocks are filed and published under it
+                request = dataclasses.replace(request, cache_salt=salt)
             sampler = make_sampler(
                 request.sampling, self._loaded.num_token_ids, self._xtc_kept_token_ids(request)
             )
@@ -135,7 +139,7 @@ class Batch:
             self._pool.free(reserved)
             raise
         store.pin(agent_id)
-        store.note_pins(request.prompt_tokens, request.cache_pins, request.cache_salt)
+        store.note_pins(request.prompt_tokens, request.cache_pins, salt)
         sequence = Sequence(
             request,
             submit.events,
@@ -276,9 +280,8 @@ class Batch:
         try:
             prompt_responses, generation_responses = generator.next()
         except Exception as error:
-            logger.exception("batch step failed; failing {} requests", len(self.running))
-            self._generator = self._generators()
-            self.running.fail_all(EngineError(f"generation failed: {error}"))
+            logger.exception("batch step failed with {} sequences", len(self.running))
+            self._recover(generator, EngineError(f"generation failed: {error}"))
             return
         elapsed = time.perf_counter() - started
         num_prefilled = generator_seams.num_prompt_tokens_processed(generator) - prefilled_before
@@ -304,6 +307,58 @@ class Batch:
             ending |= self.running.take_first_tokens(generator_seams.first_tokens(generator, ended_prompts))
         if ending:
             self._end(ending)
+
+    def _recover(self, failed_generator: Any, error: EngineError) -> None:
+        """A step raised: the sequences that had not run in the decode batch yet (one of them holds
+        the cache that cannot be stepped) fail, and their agents' caches are dropped; the others go
+        on in a fresh generator where their caches can be cut back (not sliding windows or recurrent
+        states). With no new sequence, the step's failure is no cache's: all fail."""
+        self._generator = self._generators()
+        suspects = [uid for uid, sequence in self.running.items() if sequence.is_prefilling]
+        spec = self._loaded.spec
+        if not suspects:
+            if self.speculation is not None:
+                self.speculation.clear()
+            self.running.fail_all(error)
+            return
+        for uid in suspects:
+            self._stop_drafting(uid)
+            sequence = self.running.take(uid)
+            cause = UnsteppableCacheError(str(error), is_sole_suspect=len(suspects) == 1)
+            self.running.fail(sequence, cause)
+            self._store.drop(sequence.agent_id)
+        if spec.has_sliding_layers or spec.has_state_layers:
+            if self.speculation is not None:
+                self.speculation.clear()
+            self.running.fail_all(error)
+            return
+        for uid in self.running.uids():
+            self._rejoin(failed_generator, uid, error)
+
+    def _rejoin(self, failed_generator: Any, uid: int, error: EngineError) -> None:
+        """Insert a decoding sequence into the fresh generator with its cache cut back to before its
+        last token, which is fed again: the failed step may have written some layers past it."""
+        self._stop_drafting(uid)
+        sequence = self.running.take(uid)
+        tokens = [*sequence.request.prompt_tokens, *sequence.generated_token_ids]
+        num_kept = len(tokens) - 1
+        held = kv_seams.sequence_caches(failed_generator, uid)
+        if held is None or sequence.request.grammar is not None or min(c.offset for c in held[0]) < num_kept:
+            self.running.fail(sequence, error)  # a grammar has taken its last token already
+            return
+        caches = [kv_seams.trimmed([layer], layer.offset - num_kept)[0] for layer in held[0]]
+        sequence.early_token, sequence.is_prefilling = None, True
+        max_tokens = sequence.request.sampling.max_tokens + 2 - len(sequence.generated_token_ids)
+        (new_uid,) = self._generator.insert_segments(
+            [[tokens[num_kept:]]],
+            max_tokens=[max(1, max_tokens)],
+            caches=[caches],
+            all_tokens=[tokens[:num_kept]],
+            samplers=[sequence.sampler],
+            logits_processors=[sequence.logits_processors],
+        )
+        self._may_draft(int(new_uid), sequence.request, sequence.logits_processors)
+        self.running.add(int(new_uid), sequence)
 
     def _end(self, ending: dict[int, FinishReason]) -> None:
         """Take sequences out of the generator (at once: each removal gathers the rest of the

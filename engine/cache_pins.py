@@ -39,10 +39,12 @@ def prompt_pins(
     breakpoints: Sequence[CacheBreakpoint],
     text: str,
     token_ids: list[int],
+    scope: str | None,
 ) -> tuple[CachePin, ...]:
     """The pins of `breakpoints` in a prompt whose text `text` (rendered from `messages` and `tools`)
-    encodes to `token_ids`, fewest tokens first. A breakpoint where the template changes the text
-    around it (a trimmed content, say) pins only what the renders share up to it."""
+    encodes to `token_ids` under the cache salt `scope`, fewest tokens first. A breakpoint where the
+    template changes the text around it (a trimmed content, say) pins only what the renders share
+    up to it."""
     if not breakpoints:
         return ()
     marked: list[dict[str, Any]] = [dict(message) for message in messages]
@@ -67,7 +69,7 @@ def prompt_pins(
         for other in marks:
             before = before.replace(other, "")
         num_chars = len(before) if text.startswith(before) else _num_common_chars(text, before)
-        num_tokens = common_prefix_length(chat.encode(text[:num_chars]), token_ids) if num_chars else 0
+        num_tokens = common_prefix_length(chat.encode(text[:num_chars], scope), token_ids) if num_chars else 0
         if num_tokens:
             pins[num_tokens] = max(ttl_s, pins.get(num_tokens, 0.0))
     return tuple(CachePin(n, pins[n]) for n in sorted(pins))

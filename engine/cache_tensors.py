@@ -50,6 +50,7 @@ class CacheSnapshot:
     attention_layers: list[LayerKV]  # per attention layer, keys and values of tokens [start, end)
     kv_starts: list[int]  # per attention layer, the first token it holds
     state_points: list[StatePoint]
+    imported: bool = False  # from another server's archive: its blocks serve only its agent
 
 
 @dataclass(slots=True)
@@ -63,6 +64,7 @@ class HostSnapshot:
     kv_starts: list[int]
     state_points: list[StatePoint]
     dtype: mx.Dtype
+    imported: bool = False
 
 
 @dataclass(slots=True)
@@ -73,6 +75,7 @@ class SerializedCache:
     num_tokens: int
     # Per state point: its token count and, per STATE layer, how many arrays it has.
     state_points: list[tuple[int, list[int]]] = field(default_factory=list)
+    imported: bool = False  # written as the file's `origin`
 
 
 def tokens_digest(tokens: list[int] | np.ndarray) -> str:
@@ -86,6 +89,16 @@ def attention_tensor_name(slot: int, part: str) -> str:
 
 def state_tensor_name(point: int, layer: int, index: int) -> str:
     return f"state.{point}.{layer}.{index}"
+
+
+def stored_dtype(dtype: str) -> np.dtype[Any]:
+    """The numpy type a file holds arrays of the MLX dtype named `dtype` as; ValueError for a name
+    that is not one of MLX's dtypes of a width a file holds."""
+    mx_dtype = getattr(mx, dtype, None) if dtype.isidentifier() else None
+    view = _STORAGE_VIEW.get(mx_dtype.size) if isinstance(mx_dtype, mx.Dtype) else None
+    if view is None:
+        raise ValueError(f"{dtype!r} is not a dtype a cache file holds")
+    return np.dtype(view[1])
 
 
 def _to_numpy(array: mx.array) -> np.ndarray:
@@ -114,7 +127,12 @@ def to_tensors(snapshot: CacheSnapshot) -> SerializedCache:
     tensors = {name: _to_numpy(array) for name, array in arrays.items()}
     tensors["tokens"] = np.array(snapshot.token_ids, dtype=np.int32)
     return SerializedCache(
-        snapshot.agent_id, tensors, list(snapshot.kv_starts), len(snapshot.token_ids), points
+        snapshot.agent_id,
+        tensors,
+        list(snapshot.kv_starts),
+        len(snapshot.token_ids),
+        points,
+        snapshot.imported,
     )
 
 
@@ -158,4 +176,5 @@ def from_tensors(cache: SerializedCache, spec: ModelCacheSpec) -> HostSnapshot:
         list(cache.kv_starts) or [0] * num_attention,
         points,
         getattr(mx, spec.dtype),
+        cache.imported,
     )

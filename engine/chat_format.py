@@ -87,7 +87,12 @@ class ChatFormat:
         return text
 
     def head_length(
-        self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None, text: str, token_ids: list[int]
+        self,
+        messages: list[ChatMessage],
+        tools: list[dict[str, Any]] | None,
+        text: str,
+        token_ids: list[int],
+        scope: str | None,
     ) -> int:
         """How many of `token_ids` (`text` encoded, rendered from `messages`) hold the leading system
         message and tools: what other agents' prompts are likely to share. 0 where there is none or
@@ -101,12 +106,13 @@ class ChatFormat:
             return 0
         if not head_text or not text.startswith(head_text) or len(head_text) == len(text):
             return 0
-        head_ids = self.encode(head_text)
+        head_ids = self.encode(head_text, scope)
         return len(head_ids) if token_ids[: len(head_ids)] == head_ids else 0
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of rendered text; the template already wrote any BOS."""
-        return self.encoder.encode(text)
+    def encode(self, text: str, scope: str | None) -> list[int]:
+        """Token ids of rendered text; the template already wrote any BOS. `scope`: the turn's cache
+        salt, which the encoder's cache is kept under (prompt_encoding.py)."""
+        return self.encoder.encode(text, scope)
 
     def continuation(self, system: str | None, new_messages: list[ChatMessage]) -> str:
         """The text that follows a finished assistant turn to add `new_messages` and open the next one.

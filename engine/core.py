@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 from loguru import logger
 
+from semantic.engine.agent_cache import imported_salt
 from semantic.engine.cache_tensors import SerializedCache, to_tensors
 from semantic.engine.commands import (
     DropCache,
@@ -208,6 +209,7 @@ class EngineCore:
             return False
         if cache is None:
             return False
+        salt = imported_salt(agent_id) if cache.imported else salt
         try:
             self._scheduler.make_room_to_restore(runtime, cache, salt)
             runtime.restore(cache, salt)

@@ -13,6 +13,15 @@ class ModelChangedError(EngineError):
     """The request was tokenized for a model that has since been swapped out; retry it."""
 
 
+class UnsteppableCacheError(EngineError):
+    """A batch step raised while this request was new to the batch: its cache is dropped. Where it
+    was the only new one (`is_sole_suspect`), its agent quarantines the file the cache came from."""
+
+    def __init__(self, message: str, is_sole_suspect: bool) -> None:
+        super().__init__(message)
+        self.is_sole_suspect = is_sole_suspect
+
+
 class PoolExhaustedError(EngineError):
     """The KV block pool has too few free blocks, even after evicting every idle cache it may."""
 

@@ -151,7 +151,8 @@ class FollowerCore(EngineCore):
     def _submit(self, op: SubmitOp) -> None:
         request = request_of(op)
         if op.grammar is not None and self._runtime is not None:
-            request.grammar = self._grammar_compiler(self._runtime).matcher(op.grammar, op.grammar_trigger)
+            compiler = self._grammar_compiler(self._runtime)
+            request.grammar = compiler.matcher(op.grammar, op.grammar_trigger, op.cache_salt)
         self._scheduler.add(Submit(request, EventChannel(self._loop), queued_at=op.queued_at))
 
     def _grammar_compiler(self, runtime: Runtime) -> GrammarCompiler:

@@ -3,7 +3,8 @@
 A turn that asks for structured output (a JSON schema, JSON of any shape, or a forced tool call
 whose arguments must match the tool's `input_schema`) gets a grammar: a string in llguidance's
 format, built here from the request. The tokenizer worker compiles it into a `GrammarMatcher`
-(`GrammarCompiler`, one per loaded model, compiled grammars cached by their text), which refuses
+(`GrammarCompiler`, one per loaded model, compiled grammars cached by their text within the turn's
+cache salt, so a compile's speed never tells one tenant another's schema), which refuses
 what llguidance cannot enforce with a `GrammarError` (a 400): never silent non-enforcement. So is
 a schema with no finite instance, which llguidance would compile (`engine/schema_finiteness.py`).
 The matcher then travels in the `GenerationRequest` to the engine thread, which alone uses it
@@ -202,13 +203,18 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self._eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer: LLTokenizer | None = None
-        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str | None, str], LLMatcher] = OrderedDict()  # by (scope, grammar)
+        self.num_cache_hits = 0
+        self.num_cache_misses = 0
 
-    def matcher(self, grammar: str, trigger: str | None = None) -> GrammarMatcher:
+    def matcher(self, grammar: str, trigger: str | None = None, scope: str | None = None) -> GrammarMatcher:
         """A fresh matcher for `grammar` (raises GrammarError if llguidance cannot enforce it),
-        holding from the start or, with a `trigger`, each time the reply writes it."""
-        template = self._compiled.get(grammar)
+        holding from the start or, with a `trigger`, each time the reply writes it; compiled ones
+        are reused only within `scope` (the turn's cache salt)."""
+        key = (scope, grammar)
+        template = self._compiled.get(key)
         if template is None:
+            self.num_cache_misses += 1
             template = LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
             if template.is_error():
                 raise GrammarError(f"cannot enforce this output format: {template.get_error()}")
@@ -218,11 +224,12 @@ class GrammarCompiler:
                 and not template.is_accepting()
             ):
                 raise GrammarError("cannot enforce this output format: no reply can satisfy it")
-            self._compiled[grammar] = template
+            self._compiled[key] = template
             if len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         else:
-            self._compiled.move_to_end(grammar)
+            self.num_cache_hits += 1
+            self._compiled.move_to_end(key)
         return GrammarMatcher(
             template.deep_copy(),
             self._llguidance_tokenizer(),

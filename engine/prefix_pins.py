@@ -2,22 +2,31 @@
 
 A pin holds one reference to each full block of its prefix, so the prefix outlives the caches that
 share it (an agent evicted to disk leaves it for the next prompt that starts with it) until its ttl
-passes. Pins hold at most the eviction policy's share of the pool; past it the least recently
-pinned go. A pin whose blocks are not all in the pool yet (a prompt still being prefilled) waits
-and takes them once they are. Engine thread only, owned by the `AgentCacheStore`.
+passes. Pins hold at most the eviction policy's share of the pool, and each owner (a tenant: the
+namespace its cache salts start with) at most an equal part of that among the owners holding pins;
+a new pin makes room only from its own owner's least recently pinned, never another owner's, and
+where the others fill the room it waits. A pin whose blocks are not all in the pool yet (a prompt
+still being prefilled) waits too, and takes them once they are. Engine thread only, owned by the
+`AgentCacheStore`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from semantic.engine.block_pool import BlockHash, BlockPool, hash_prefix_blocks
 from semantic.engine.cache_pins import CachePin
 from semantic.engine.eviction import EvictionPolicy
 
-MAX_WAITING_PINS = 64  # pins whose blocks are still being computed; the oldest go past it
+MAX_WAITING_PINS = 64  # an owner's pins still waiting for blocks or room; its oldest go past it
+
+
+def pin_owner(salt: str | None) -> str | None:
+    """Whose share a pin counts against: the namespace a keys file's tenant has its salts start
+    with (`namespace\0salt`, protocols/tenancy.py); without one every caller is the one owner."""
+    return salt.partition("\0")[0] if salt is not None and "\0" in salt else None
 
 
 @dataclass(slots=True)
@@ -26,6 +35,10 @@ class PrefixPin:
     salt: str | None
     expires_at: float  # on the policy's clock
     block_ids: list[int] = field(default_factory=list)  # held (one reference each) once all are in the pool
+
+    @property
+    def owner(self) -> str | None:
+        return pin_owner(self.salt)
 
 
 class PrefixPins:
@@ -58,8 +71,10 @@ class PrefixPins:
             if earlier is not None:
                 expires_at = max(expires_at, earlier.expires_at)
             self.waiting[key] = PrefixPin(token_ids, salt, expires_at)
-            while len(self.waiting) > MAX_WAITING_PINS:
-                self.waiting.popitem(last=False)
+            owner = pin_owner(salt)
+            own_waiting = [k for k, p in self.waiting.items() if p.owner == owner]
+            for oldest in own_waiting[: len(own_waiting) - MAX_WAITING_PINS]:
+                del self.waiting[oldest]
 
     def settle(self, held_block_ids: Callable[[list[int], str | None], list[int]]) -> None:
         """Let go of pins whose ttl passed; hold the waiting pins whose blocks are all in the pool
@@ -73,19 +88,36 @@ class PrefixPins:
                 del self.waiting[key]
                 continue
             block_ids = held_block_ids(pin.token_ids, pin.salt)
-            if len(block_ids) * self._pool.block_size >= len(pin.token_ids):
+            if len(block_ids) * self._pool.block_size < len(pin.token_ids):
+                continue  # still being prefilled
+            share = self._share_of(pin.owner)
+            if len(block_ids) > share:
+                del self.waiting[key]  # alone past its owner's share: never held
+            elif self._make_room(pin.owner, block_ids, share):
                 del self.waiting[key]
-                self._hold(key, pin, block_ids)
+                self._pool.touch(block_ids)
+                pin.block_ids = block_ids
+                self.held[key] = pin
 
-    def _hold(self, key: BlockHash, pin: PrefixPin, block_ids: list[int]) -> None:
+    def _share_of(self, owner: str | None) -> int:
+        """The blocks `owner`'s pins may hold: the policy's pin room split equally among the owners
+        holding pins (and this one), so one tenant's pins never crowd out another's."""
         limit = self._policy.max_pinned_blocks(self._pool.num_blocks)
-        if len(block_ids) > limit:
-            return
-        while self.held and len({*block_ids} | {b for p in self.held.values() for b in p.block_ids}) > limit:
-            self.drop()
-        self._pool.touch(block_ids)
-        pin.block_ids = block_ids
-        self.held[key] = pin
+        return limit // len({p.owner for p in self.held.values()} | {owner})
+
+    def _make_room(self, owner: str | None, block_ids: list[int], share: int) -> bool:
+        """Let go of `owner`'s least recently pinned until `block_ids` fit in its share and in the
+        room; False (nothing let go) where other owners' pins alone leave no room for them."""
+        limit = self._policy.max_pinned_blocks(self._pool.num_blocks)
+        others = [p for p in self.held.values() if p.owner != owner]
+        if _num_blocks(block_ids, others) > limit:
+            return False
+        while True:
+            own = [(k, p) for k, p in self.held.items() if p.owner == owner]
+            num_own = _num_blocks(block_ids, [p for _, p in own])
+            if num_own <= share and _num_blocks(block_ids, self.held.values()) <= limit:
+                return True
+            self._pool.free(self.held.pop(own[0][0]).block_ids)
 
     def drop(self) -> bool:
         """Let go of the least recently pinned prefix (to make room); whether there was one."""
@@ -101,3 +133,8 @@ class PrefixPins:
         if not token_ids or len(token_ids) % size:
             return False
         return hash_prefix_blocks(token_ids, size, salt)[-1] in self.held
+
+
+def _num_blocks(block_ids: list[int], pins: Iterable[PrefixPin]) -> int:
+    """Blocks held by `pins` and `block_ids` together (pins of one owner may share leading blocks)."""
+    return len({*block_ids, *(b for pin in pins for b in pin.block_ids)})

@@ -5,6 +5,9 @@ A fast tokenizer cuts its input at added tokens before its model runs, so text c
 the chat template writes (`<|im_start|>`, `<|im_end|>`) encodes piece by piece to the same ids as
 the whole. Where a tokenizer breaks that (a strip flag on a marker, a prefix space only at the start
 of the text), the probes at construction see it and every text is encoded whole, as before.
+
+The cache is scoped like the prefix blocks: a segment is found again only under the cache salt it
+was encoded under, so how fast a text tokenizes never tells one tenant what another sent.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ _PROBE_CONTENTS = (
 
 
 class SegmentEncoder:
-    """`tokenizer.encode(text, add_special_tokens=False)`, cached per segment between chat markers.
+    """`tokenizer.encode(text, add_special_tokens=False)`, cached per segment between chat markers
+    and per scope (a turn's cache salt: texts are shared only where its prefix blocks are).
 
     Safe to share between threads: the cache is behind a lock, the tokenizer runs outside it.
     """
@@ -41,7 +45,7 @@ class SegmentEncoder:
         self.max_cached_chars = max_cached_chars
         self.num_cache_hits = 0
         self.num_cache_misses = 0
-        self._segment_to_ids: OrderedDict[str, array[int]] = OrderedDict()
+        self._segment_to_ids: OrderedDict[tuple[str | None, str], array[int]] = OrderedDict()
         self._num_cached_chars = 0
         self._lock = threading.Lock()
         self.markers: tuple[str, ...] = ()  # none: every text is encoded whole
@@ -63,13 +67,14 @@ class SegmentEncoder:
     def num_cached_chars(self) -> int:
         return self._num_cached_chars
 
-    def encode(self, text: str) -> list[int]:
-        """The ids `tokenizer.encode(text, add_special_tokens=False)` gives, with known segments cached."""
+    def encode(self, text: str, scope: str | None) -> list[int]:
+        """The ids `tokenizer.encode(text, add_special_tokens=False)` gives, with the segments
+        already encoded under `scope` (the turn's cache salt) taken from the cache."""
         if self._splitter is None:
             return self._encode_whole(text)
         ids: list[int] = []
         for segment in self.segments(text):
-            ids.extend(self._cached_ids(segment))
+            ids.extend(self._cached_ids(segment, scope))
         return ids
 
     def segments(self, text: str) -> Iterator[str]:
@@ -79,11 +84,12 @@ class SegmentEncoder:
             return
         yield from (segment for segment in self._splitter.split(text) if segment)
 
-    def _cached_ids(self, segment: str) -> array[int]:
+    def _cached_ids(self, segment: str, scope: str | None) -> array[int]:
+        key = (scope, segment)
         with self._lock:
-            ids = self._segment_to_ids.get(segment)
+            ids = self._segment_to_ids.get(key)
             if ids is not None:
-                self._segment_to_ids.move_to_end(segment)
+                self._segment_to_ids.move_to_end(key)
                 self.num_cache_hits += 1
                 return ids
             self.num_cache_misses += 1
@@ -91,11 +97,11 @@ class SegmentEncoder:
         if len(segment) > self.max_cached_chars:
             return ids
         with self._lock:
-            if segment not in self._segment_to_ids:
-                self._segment_to_ids[segment] = ids
+            if key not in self._segment_to_ids:
+                self._segment_to_ids[key] = ids
                 self._num_cached_chars += len(segment)
             while self._num_cached_chars > self.max_cached_chars:
-                evicted, _ = self._segment_to_ids.popitem(last=False)
+                (_, evicted), _ = self._segment_to_ids.popitem(last=False)
                 self._num_cached_chars -= len(evicted)
         return ids
 

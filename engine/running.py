@@ -82,7 +82,8 @@ class RunningSequences:
     def read_prompt_progress(self, prompt_responses: list[Any]) -> list[int]:
         """Note each prefilling prompt's progress (mlx-lm's reports of a step); returns the uids of
         those whose prompts ended, whose blocks are then shared."""
-        ended_prompts = []
+        ended_prompts: list[int] = []
+        shared: list[int] = []
         for progress in prompt_responses:
             prefilling = self._by_uid.get(progress.uid)
             if prefilling is None:
@@ -90,11 +91,13 @@ class RunningSequences:
             if progress.end_of_prompt:
                 prefilling.is_prefilling = False
                 ended_prompts.append(progress.uid)
+                if not prefilling.generated_token_ids:  # a sequence rejoining after a failed step has
+                    shared.append(progress.uid)  # shared its prompt already
             else:
                 prefilling.prefilled(*progress.progress)
                 if progress.end_of_segment and prefilling.num_prefilled in prefilling.state_checkpoints:
                     self._keeper.checkpoint_reached(progress.uid)
-        self._keeper.prompts_prefilled(ended_prompts)
+        self._keeper.prompts_prefilled(shared)
         return ended_prompts
 
     def read_tokens(self, generation_responses: list[Any]) -> dict[int, FinishReason]:

@@ -161,7 +161,11 @@ class Scheduler:
         reused = 0
         # The agent's full blocks the request starts from stay with the cache while it runs, and its
         # reply's cache shares them (same salt): they need no reservation.
-        if agent is not None and not agent.num_running and agent.salt == salt:
+        if (
+            agent is not None
+            and not agent.num_running
+            and agent.salt == store.turn_salt(agent.agent_id, num_reusable, salt)
+        ):
             reused = num_reusable // store.spec.block_size
         pins = agent_id if agent_id is not None else store.find_anonymous(prompt, salt)
         return WaitingEntry(

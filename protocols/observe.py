@@ -49,6 +49,7 @@ class RequestRecord:
     first_token_at: float | None = None
     outcome: str = "ok"
     timeout: asyncio.TimerHandle | None = None
+    deadline_at: float | None = None  # loop time past `server.request_timeout_s`: until fully written
 
 
 CURRENT = contextvars.ContextVar[RequestRecord | None]("semantic_request", default=None)
@@ -99,7 +100,8 @@ def admit(request: web.Request, agent_id: str | None) -> None:
 
 
 def watch(request: web.Request, stream: RequestStream) -> RequestStream:
-    """Record the stream's tokens and timings, and fail it past `server.request_timeout_s`."""
+    """Record the stream's tokens and timings, and fail it past `server.request_timeout_s` (the
+    deadline holds until the reply is written: `SseWriter` takes it too)."""
     record = record_of(request)
     metrics = request.app[METRICS_KEY]
     timeout_s = request.app[SETTINGS_KEY].server.request_timeout_s
@@ -136,18 +138,20 @@ def watch(request: web.Request, stream: RequestStream) -> RequestStream:
                 and now > record.first_token_at
             ):
                 metrics.decode_rate.observe((event.num_generated_tokens - 1) / (now - record.first_token_at))
-            timer.cancel()
         elif isinstance(event, BaseException):
             record.outcome = getattr(event, "kind", type(event).__name__)
-            timer.cancel()
 
     def time_out() -> None:
+        if stream.finished is not None:
+            return  # read to its end: a write still waiting is the SseWriter's to end
         record.outcome = "timeout"
         stream.fail(
             RequestTimedOut(f"the request took longer than {timeout_s:g} s (server.request_timeout_s)")
         )
 
-    timer = record.timeout = asyncio.get_running_loop().call_later(timeout_s, time_out)
+    loop = asyncio.get_running_loop()
+    record.deadline_at = loop.time() + timeout_s
+    record.timeout = loop.call_at(record.deadline_at, time_out)
     stream.observers.append(observe)
     return stream
 

@@ -5,7 +5,7 @@ A protocol handler parses its body into a `TurnRequest` and says how to render t
 the turn to its agent actor, reading its one stream as reasoning, text and tool-call parts (its
 Finished comes once the actor made the turn durable), keep-alive pings, errors (raised before the
 first byte, in-band after it) and cancelling the generation however the handler ends, including a
-client that disconnects before the first read.
+client that disconnects before the first read, and one that stops reading (its writes' deadlines).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from aiohttp import web
 
 from semantic import Event, Finished, PromptProgress, PromptStarted, SamplingParams, TokenDelta, TokenLogprob
 from semantic.actors.turns import TurnRequest, TurnStarted
-from semantic.protocols.common import SETTINGS_KEY, SYSTEM_KEY, SseWriter, json_response
+from semantic.protocols.common import SETTINGS_KEY, SYSTEM_KEY, SseWriter, StreamStalled, json_response
 from semantic.protocols.errors import ApiError, as_api_error
 from semantic.protocols.observe import admit, check_bounds, record_of, watch
 from semantic.protocols.reasoning import ReasoningSplitter, ThinkingEnd, ThinkingPart, prompt_opens_thinking
@@ -106,8 +106,21 @@ async def answer_turn(
     record = record_of(request)
     record.cache = started.cache  # the x-semantic-cache header, set as the reply prepares
     record.restore = started.restore.summary() if started.restore is not None else None
-    sse = SseWriter(request, ping_frame) if streaming else None
+    sse = SseWriter(request, ping_frame, record.deadline_at) if streaming else None
     reply = make_reply(started, sse)
+    try:
+        return await _answer(request, started, sse, reply)
+    except StreamStalled as stalled:
+        record.outcome = stalled.outcome  # its connection is aborted: aiohttp sends nothing more
+        assert sse is not None, "only a stream's writes stall: pipeline bug"
+        return sse.response
+    finally:
+        stream.cancel()
+
+
+async def _answer(
+    request: web.Request, started: TurnStarted, sse: SseWriter | None, reply: TurnReply
+) -> web.StreamResponse:
     try:
         async for event in turn_events(started):
             if request.transport is None or request.transport.is_closing():
@@ -121,15 +134,13 @@ async def answer_turn(
             return json_response(reply.body())
         return await sse.close()
     except (ConnectionResetError, asyncio.CancelledError):
-        raise  # the client left: nothing to answer; `finally` frees the batch slot
+        raise  # the client left (or stalled): nothing to answer; the caller frees the batch slot
     except Exception as error:
         api_error = as_api_error(error)
         if sse is None or not sse.is_open:
             raise api_error from error
         await reply.error(api_error)
         return await sse.close()
-    finally:
-        stream.cancel()
 
 
 async def turn_events(started: TurnStarted) -> AsyncIterator[TurnEvent]:

@@ -137,8 +137,8 @@ def example(chat: ChatFormat, recorded: Recorded) -> tuple[list[int], int]:
         if block["type"] == "tool_use"
     ]
     reply: dict[str, Any] = {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
-    prompt = chat.encode(chat.render(messages, tools))
-    whole = chat.encode(chat.render([*messages, reply], tools, add_generation_prompt=False))
+    prompt = chat.encode(chat.render(messages, tools), None)
+    whole = chat.encode(chat.render([*messages, reply], tools, add_generation_prompt=False), None)
     if whole[: len(prompt)] != prompt:
         raise RuntimeError("the rendered reply does not extend the rendered prompt token for token")
     return whole, len(prompt)

@@ -101,6 +101,11 @@ SERVER_FLAGS = [
     ),
     ("--max-body-mb", "server.max_body_mb", "largest request body, in MiB"),
     ("--request-timeout-s", "server.request_timeout_s", "a generation running longer fails"),
+    (
+        "--stream-write-timeout-s",
+        "server.stream_write_timeout_s",
+        "a stream whose client takes none of a write this long is closed and its slot freed",
+    ),
     ("--shutdown-timeout-s", "server.shutdown_timeout_s", "on SIGTERM, how long running requests may finish"),
     (
         "--header-timeout-s",

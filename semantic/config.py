@@ -36,6 +36,8 @@ class ServerSection(_Section):
     api_keys_file: str | None = None  # TOML: API key -> namespace of agents (protocols/tenancy.py)
     max_body_mb: Positive = 32.0
     request_timeout_s: Positive = 600.0
+    # A stream's write that the client has not taken this long ends the request and frees its slot.
+    stream_write_timeout_s: Positive = 30.0
     shutdown_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
     # A client's head comes in one write: 10 s is slack for a slow link, short for a held socket.
     header_timeout_s: Positive = 10.0

@@ -2,9 +2,10 @@
 fingerprint, each file's size and sha256) and then its cache and conversation files.
 
 An archive comes from outside, so `import_archive` trusts nothing in it: a bounded number and size
-of members, each a regular file named exactly as the manifest's agent would name it (no paths), the
-manifest's id through AgentId, every file's sha256, and every file through the checks the server
-reads it with, all in a staging folder before any file takes its place.
+of members, each a regular file (not sparse, no link or device, no larger than the archive) named
+exactly as the manifest's agent would name it (no paths), the manifest's id through AgentId, every
+file's sha256, and every file through the checks the server reads it with (a cache's tensors against
+its model's layout among them), all in a staging folder before any file takes its place.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import msgspec
 from semantic.actors.agent_id import AgentId
 from semantic.storage.agents_folder import CONVERSATION_SUFFIX, SUFFIX
 from semantic.storage.cache_dir_files import AgentFiles, check_cache_file
-from semantic.storage.cache_file import TEMP_SUFFIX, read_metadata, replace_atomically
+from semantic.storage.cache_file import TEMP_SUFFIX, mark_imported, read_metadata, replace_atomically
 from semantic.storage.conversation_file import read_conversation
 
 ARCHIVE_VERSION = 1
@@ -140,7 +141,7 @@ def import_archive(archive: Path, cache_dir: Path, force: bool = False) -> tuple
             staging = folder / f".import-{agent_id}.{os.getpid()}{TEMP_SUFFIX}"
             staging.mkdir(parents=True, exist_ok=True)
             try:
-                _stage(tar, manifest, staging)
+                _stage(tar, manifest, staging, archive.stat().st_size)
                 _check_staged(staging, manifest, agent_id, folder.name)
                 archived = {f.name for f in manifest.files}
                 for name in (f"{agent_id}{SUFFIX}", f"{agent_id}{CONVERSATION_SUFFIX}"):
@@ -157,20 +158,16 @@ def import_archive(archive: Path, cache_dir: Path, force: bool = False) -> tuple
     return manifest, folder
 
 
-def _stage(tar: tarfile.TarFile, manifest: Manifest, staging: Path) -> None:
+def _stage(tar: tarfile.TarFile, manifest: Manifest, staging: Path, archive_bytes: int) -> None:
     expected = {f.name: f for f in manifest.files}
     seen: set[str] = set()
     for index, member in enumerate(tar):
         if index == 0:
             continue  # the manifest, read already
         entry = expected.get(member.name)
-        if entry is None or member.name in seen or not member.isreg():
+        if entry is None or member.name in seen:
             raise ArchiveError(f"member {member.name!r} is not one of the manifest's files (or comes twice)")
-        limit = MAX_CACHE_BYTES if member.name.endswith(SUFFIX) else MAX_CONVERSATION_BYTES
-        if member.size != entry.num_bytes or member.size > limit:
-            raise ArchiveError(
-                f"{member.name}: {member.size} bytes, the manifest says {entry.num_bytes} (at most {limit})"
-            )
+        _check_member(member, entry, archive_bytes)
         reader = tar.extractfile(member)
         assert reader is not None, "a regular member without a reader: tarfile bug"
         if _copy_hashed(reader, staging / member.name, member.size) != entry.sha256:
@@ -178,6 +175,22 @@ def _stage(tar: tarfile.TarFile, manifest: Manifest, staging: Path) -> None:
         seen.add(member.name)
     if missing := set(expected) - seen:
         raise ArchiveError(f"the archive lacks {', '.join(sorted(missing))}")
+
+
+def _check_member(member: tarfile.TarInfo, entry: ArchivedFile, archive_bytes: int) -> None:
+    """Refuse, before a byte is written, a member that would land as more than the archive holds:
+    a sparse file (its holes expand), anything but a regular file, a size the manifest does not state."""
+    if member.issparse():
+        raise ArchiveError(f"member {member.name!r} is a sparse file of {member.size} bytes: not imported")
+    if not member.isreg():
+        raise ArchiveError(f"member {member.name!r} is not a regular file (tar type {member.type!r})")
+    limit = MAX_CACHE_BYTES if member.name.endswith(SUFFIX) else MAX_CONVERSATION_BYTES
+    if member.size != entry.num_bytes or member.size > limit:
+        raise ArchiveError(
+            f"{member.name}: {member.size} bytes, the manifest says {entry.num_bytes} (at most {limit})"
+        )
+    if member.size > archive_bytes:  # a regular member's bytes lie in the archive itself
+        raise ArchiveError(f"{member.name}: {member.size} bytes, more than the archive's {archive_bytes}")
 
 
 def _copy_hashed(reader: IO[bytes], path: Path, num_bytes: int) -> str:
@@ -200,6 +213,7 @@ def _check_staged(staging: Path, manifest: Manifest, agent_id: AgentId, folder_n
             check_cache_file(cache, agent_id, folder_name)
             if read_metadata(cache).get("model_fingerprint") != manifest.model_fingerprint:
                 raise ValueError("its cache file names another model than the manifest")
+            mark_imported(cache)  # its blocks serve only this agent (engine/agent_cache.py)
         conversation = staging / f"{agent_id}{CONVERSATION_SUFFIX}"
         if conversation.exists():
             read_conversation(conversation)

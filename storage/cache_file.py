@@ -29,6 +29,7 @@ from semantic.engine.cache_tensors import (
     tokens_digest,
 )
 from semantic.engine.loading import LoadedModel
+from semantic.storage.cache_layout import layout_problem
 from semantic.storage.disk_full import as_disk_full, os_error_in
 
 # 3: attention layers by position among attention layers, a sliding layer's from the first token its
@@ -36,6 +37,9 @@ from semantic.storage.disk_full import as_disk_full, os_error_in
 # a sliding layer's rotating buffer) are set aside: their agents start cold.
 FORMAT_VERSION = "3"
 READABLE_VERSIONS = ("3",)
+# A file's `origin`: imported from an archive (its KV is another person's data, which serves only
+# its agent until a turn computes the agent's cache afresh) or computed here.
+IMPORTED, LOCAL = "imported", "local"
 
 
 class CacheFileError(ValueError):
@@ -160,10 +164,18 @@ def write_cache_file(path: Path, cache: SerializedCache, identity: CacheIdentity
         "num_tokens": str(cache.num_tokens),
         "tokens_digest": (digest := tokens_digest(tensors["tokens"])),
         "layout": identity.layout,
+        "origin": IMPORTED if cache.imported else LOCAL,
         "checksum": _checksum(tensors),
     }
     replace_atomically(path, lambda staged: _save_file(tensors, staged, metadata))
     return path.stat().st_size, digest
+
+
+def mark_imported(path: Path) -> None:
+    """Rewrite a verified cache file with `origin` imported (its tensors, so its checksum, unchanged)."""
+    metadata = {**read_metadata(path), "origin": IMPORTED}
+    tensors = load_file(str(path))
+    replace_atomically(path, lambda staged: _save_file(tensors, staged, metadata))
 
 
 def read_stated_tokens(path: Path) -> tuple[int, str]:
@@ -251,9 +263,12 @@ def _verified(
             if tensor is None or tensor.ndim != 4 or tensor.shape[2] < num_tokens - start:
                 raise CacheFileError(f"attention layer {slot} does not hold tokens {start} to {num_tokens}")
     state_points = _state_points(json.loads(metadata["state_points"]), tensors, num_tokens)
+    if problem := layout_problem(tensors, identity.spec, kv_starts, num_tokens, state_points):
+        raise CacheFileError(problem)
     if len(tokens) and (tokens.min() < 0 or (identity.vocab_size and tokens.max() >= identity.vocab_size)):
         raise CacheFileError(f"token ids outside the vocabulary (0..{identity.vocab_size - 1})")
-    return SerializedCache(metadata["agent_id"], tensors, kv_starts, num_tokens, state_points)
+    imported = metadata.get("origin") == IMPORTED
+    return SerializedCache(metadata["agent_id"], tensors, kv_starts, num_tokens, state_points, imported)
 
 
 def _num_attention_layers(spec: dict[str, Any]) -> int:

@@ -85,7 +85,7 @@ class PersistenceActor:
         self.identity = identity
         self.disk_budget = DiskBudget(disk_budget_bytes)  # owned by the actor's task, as the index
         self.agents_dir = (cache_dir / "agents" / identity.fingerprint[:16]).resolve()
-        self.quarantine_dir = (cache_dir / "quarantine").resolve()
+        self.quarantine_dir = cache_dir.resolve() / "quarantine"  # never a link's target: see move_aside
         self._mailbox: Mailbox[PersistenceMessage] = Mailbox()  # unbounded: its callers are the server's own
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semantic-persist")
         self._task: asyncio.Task[None] | None = None

@@ -14,11 +14,12 @@ from mlx_lm import load, stream_generate
 from tests.waiting import wait_until
 
 
-def call(server, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:  # type: ignore[no-untyped-def]
+def call(
+    server, method: str, path: str, body: dict[str, Any] | None = None, key: str | None = None
+) -> tuple[int, Any]:  # type: ignore[no-untyped-def]
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        server.base_url + path, data=data, method=method, headers={"content-type": "application/json"}
-    )
+    headers = {"content-type": "application/json"} | ({"x-api-key": key} if key else {})
+    request = urllib.request.Request(server.base_url + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=300) as reply:
             raw = reply.read()

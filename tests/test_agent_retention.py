@@ -307,8 +307,9 @@ def test_breakpoints_on_system_tools_and_content_blocks_pin_the_prompts_prefixes
     assert breakpoints == [(0, len("You are terse."), 300.0), (1, 0, 300.0), (1, len("First part."), 3600.0)]
     tools = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
     text = chat.render(messages, tools)
-    token_ids = chat.encode(text)
-    pins = prompt_pins(chat, messages, tools, [CacheBreakpoint(*b) for b in breakpoints], text, token_ids)
+    token_ids = chat.encode(text, None)
+    marks = [CacheBreakpoint(*b) for b in breakpoints]
+    pins = prompt_pins(chat, messages, tools, marks, text, token_ids, None)
     assert [p.ttl_s for p in pins] == [300.0, 300.0, 3600.0]
     decoded = [chat.tokenizer.decode(token_ids[: pin.num_tokens]) for pin in pins]
     assert decoded[0].endswith("You are terse.")  # the first system block

@@ -19,7 +19,10 @@ from semantic.engine.cache_tensors import SerializedCache
 from semantic.storage.cache_file import CacheFileError, CacheIdentity, read_cache_file, write_cache_file
 from semantic.storage.persistence import PersistenceActor
 
-IDENTITY = CacheIdentity("tiny", "f" * 32, 256, {"num_layers": 1, "layer_kinds": ["full"]}, vocab_size=1000)
+# One full-attention layer of 2 KV heads of 8, float32: the layout the tensors below are checked against.
+SPEC = {"num_layers": 1, "layer_kinds": ["full"], "dtype": "float32", "kv_widths": [[2, 8, 8]]}
+SPEC |= {"state_arrays": [], "block_size": 256}
+IDENTITY = CacheIdentity("tiny", "f" * 32, 256, SPEC, vocab_size=1000)
 
 
 def a_cache(num_tokens: int = 40, seed: int = 0) -> SerializedCache:

@@ -287,11 +287,11 @@ def test_the_parting_token_is_placed_in_its_message_by_the_real_template(default
         messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> tuple[TurnRequest, list[int]]:
         request = TurnRequest("turn", None, messages, SamplingParams(max_tokens=4), tools=tools)
-        return request, template.encode(template.render(messages, tools))
+        return request, template.encode(template.render(messages, tools), None)
 
     first, prompt = turn([SYSTEM, QUESTION])
     note = TurnNote(
-        "m", history_of(prompt, template.encode("4<|im_end|>")), RequestDigest.of(first.messages, None)
+        "m", history_of(prompt, template.encode("4<|im_end|>", None)), RequestDigest.of(first.messages, None)
     )
     edited, edited_prompt = turn(
         [

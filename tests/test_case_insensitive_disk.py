@@ -18,14 +18,16 @@ from semantic.storage.cache_file import CacheIdentity
 from semantic.storage.conversation_file import ConversationRecord
 from semantic.storage.persistence import PersistenceActor
 
-IDENTITY = CacheIdentity("tiny", "f" * 32, 256, {"num_layers": 1}, vocab_size=1000)
+# One full-attention layer of one KV head of 4, float32 (a file holds its bits as uint32).
+SPEC = {"num_layers": 1, "layer_kinds": ["full"], "dtype": "float32", "kv_widths": [[1, 4, 4]]}
+IDENTITY = CacheIdentity("tiny", "f" * 32, 256, {**SPEC, "state_arrays": [], "block_size": 256}, 1000)
 
 
 def a_cache(agent_id: str) -> SerializedCache:
     tensors = {
         "tokens": np.arange(8, dtype=np.int32),
-        "attn.0.keys": np.zeros((1, 1, 8, 4), dtype=np.float32),
-        "attn.0.values": np.ones((1, 1, 8, 4), dtype=np.float32),
+        "attn.0.keys": np.zeros((1, 1, 8, 4), dtype=np.uint32),
+        "attn.0.values": np.ones((1, 1, 8, 4), dtype=np.uint32),
     }
     return SerializedCache(agent_id, tensors, [], 8)
 

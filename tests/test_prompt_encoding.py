@@ -56,20 +56,20 @@ def test_segments_encode_to_the_whole_texts_ids_and_earlier_turns_come_from_the_
 ) -> None:
     encoder = SegmentEncoder(tokenizer)
     first = render(tokenizer, earlier)
-    assert encoder.encode(first) == whole(tokenizer, first)
+    assert encoder.encode(first, None) == whole(tokenizer, first)
     assert encoder.num_cache_misses == len(set(encoder.segments(first)))
 
     # The agent's next turn: the same conversation with a reply and a new message after it.
     extended = render(tokenizer, [*earlier, reply, follow_up])
     hits, misses = encoder.num_cache_hits, encoder.num_cache_misses
-    assert encoder.encode(extended) == whole(tokenizer, extended)
+    assert encoder.encode(extended, None) == whole(tokenizer, extended)
     new_segments = set(encoder.segments(extended)) - set(encoder.segments(first))
     assert encoder.num_cache_misses - misses == len(new_segments)
     assert encoder.num_cache_hits - hits == len(list(encoder.segments(extended))) - len(new_segments)
     assert encoder.num_cache_hits > hits  # at least the template's own markers were reused
 
     raw = "".join([*earlier, reply, follow_up])  # text that is no rendered conversation at all
-    assert encoder.encode(raw) == whole(tokenizer, raw)
+    assert encoder.encode(raw, None) == whole(tokenizer, raw)
 
 
 def test_two_workers_sharing_a_small_cache_get_the_whole_texts_ids(tokenizer: Any) -> None:
@@ -77,7 +77,7 @@ def test_two_workers_sharing_a_small_cache_get_the_whole_texts_ids(tokenizer: An
     texts = [render(tokenizer, turns[:n]) for n in range(1, len(turns) + 1)] * 3
     encoder = SegmentEncoder(tokenizer, max_cached_chars=300)  # small enough to evict all the time
     with ThreadPoolExecutor(max_workers=2) as pool:
-        encoded = list(pool.map(encoder.encode, texts))
+        encoded = list(pool.map(encoder.encode, texts, [None] * len(texts)))
     assert encoded == [whole(tokenizer, text) for text in texts]
     assert 0 < encoder.num_cached_chars <= 300
     assert encoder.num_cache_hits > 0
@@ -110,7 +110,7 @@ def test_a_prefix_space_only_at_the_start_of_the_text_turns_segments_off() -> No
         logger.remove(sink)
     assert chat.encoder.markers == ()
     assert sum("prompt segments off" in line for line in logged) == 1
-    assert chat.encode(text) == whole(tokenizer, text)
+    assert chat.encode(text, None) == whole(tokenizer, text)
     assert chat.encoder.num_cache_misses == chat.encoder.num_cache_hits == 0
 
 
@@ -125,4 +125,4 @@ def test_markers_that_swallow_nearby_spaces_are_not_cut_at(tokenizer: Any, defau
 
     encoder = SegmentEncoder(stripping)
     assert encoder.markers == ()
-    assert encoder.encode(text) == whole(stripping, text)
+    assert encoder.encode(text, None) == whole(stripping, text)
