@@ -298,7 +298,7 @@ class AgentCacheStore:
     def droppable_block_ids(self) -> list[list[int]]:
         """The blocks of each shared state and pin, in the order `drop_shared_state` drops them."""
         shared = [state.block_ids for state in self.shared_states.values()]
-        return shared + [pin.block_ids for pin in self.pins.held.values()]
+        return shared + [self.pins.held[key].block_ids for key in self.pins.drop_order()]
 
     def _prepare_shared_prefix(self, agent_id: str, prompt: list[int], salt: str | None) -> PreparedPrompt:
         """A new agent still reuses full blocks another agent published under the same salt."""

@@ -5,7 +5,8 @@ share it (an agent evicted to disk leaves it for the next prompt that starts wit
 passes. Pins hold at most the eviction policy's share of the pool, and each owner (a tenant: the
 namespace its cache salts start with) at most an equal part of that among the owners holding pins;
 a new pin makes room only from its own owner's least recently pinned, never another owner's, and
-where the others fill the room it waits. A pin whose blocks are not all in the pool yet (a prompt
+where the others fill the room it waits. When the pool itself runs short, the owner holding the
+most pinned blocks lets go first (`drop_order`). A pin whose blocks are not all in the pool yet (a prompt
 still being prefilled) waits too, and takes them once they are. Engine thread only, owned by the
 `AgentCacheStore`.
 """
@@ -120,12 +121,26 @@ class PrefixPins:
             self._pool.free(self.held.pop(own[0][0]).block_ids)
 
     def drop(self) -> bool:
-        """Let go of the least recently pinned prefix (to make room); whether there was one."""
+        """Let go of a pin to make room in the pool (`drop_order`'s first); whether there was one."""
         if not self.held:
             return False
-        _, pin = self.held.popitem(last=False)
-        self._pool.free(pin.block_ids)
+        self._pool.free(self.held.pop(self.drop_order()[0]).block_ids)
         return True
+
+    def drop_order(self) -> list[BlockHash]:
+        """The held pins in the order the pool's pressure lets them go: always the least recently
+        pinned of the owner holding the most blocks, so one tenant's load on the pool costs another
+        tenant's pins only once that tenant holds no less than the first."""
+        remaining = OrderedDict((key, pin) for key, pin in self.held.items())
+        order: list[BlockHash] = []
+        while remaining:
+            owners = {pin.owner for pin in remaining.values()}
+            held = {o: _num_blocks([], [p for p in remaining.values() if p.owner == o]) for o in owners}
+            largest = max(held.values())
+            key = next(k for k, p in remaining.items() if held[p.owner] == largest)
+            order.append(key)
+            del remaining[key]
+        return order
 
     def is_pinned(self, token_ids: Sequence[int], salt: str | None) -> bool:
         """Whether a held pin covers exactly this prefix (whole blocks)."""

@@ -16,6 +16,7 @@ import os
 import signal
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from aiohttp import web
 from loguru import logger
@@ -107,6 +108,7 @@ def run_server(config: SystemConfig, settings: Settings) -> int:
     holder = LockHolder(os.getpid(), "server", settings.server.host, settings.server.port)
     try:
         with CacheDirLock(config.cache_dir, holder):
+            _refuse_linked_folders(config.cache_dir)
             return asyncio.run(serve_until_signalled(config, settings))
     except CacheDirBusyError as error:
         raise SystemExit(
@@ -114,6 +116,19 @@ def run_server(config: SystemConfig, settings: Settings) -> int:
         ) from None
     except LockFileError as error:
         raise SystemExit(f"semantic: refusing to serve: {error}") from None
+
+
+def _refuse_linked_folders(cache_dir: Path) -> None:
+    """The server writes only into folders of the cache dir's own: a link where `agents/`, a model's
+    folder or `quarantine/` would be is refused at start, saying which, rather than written through."""
+    from semantic.storage.cache_dir_files import linked_folders
+
+    linked = linked_folders(cache_dir)
+    if linked:
+        raise SystemExit(
+            f"semantic: refusing to serve: {linked[0]} is a symbolic link, and semantic never follows "
+            "links out of the cache dir: make it a folder of its own, or point --cache-dir at the real one"
+        )
 
 
 def run_follower(config: SystemConfig) -> int:

@@ -84,7 +84,9 @@ class PersistenceActor:
     ) -> None:
         self.identity = identity
         self.disk_budget = DiskBudget(disk_budget_bytes)  # owned by the actor's task, as the index
-        self.agents_dir = (cache_dir / "agents" / identity.fingerprint[:16]).resolve()
+        self.agents_dir = (
+            cache_dir.resolve() / "agents" / identity.fingerprint[:16]
+        )  # no link inside followed
         self.quarantine_dir = cache_dir.resolve() / "quarantine"  # never a link's target: see move_aside
         self._mailbox: Mailbox[PersistenceMessage] = Mailbox()  # unbounded: its callers are the server's own
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semantic-persist")

@@ -108,3 +108,16 @@ def test_a_server_refuses_a_lock_file_that_is_a_link(default_model_dir: Path, tm
         server.start()
     assert server.proc is not None and server.proc.returncode == 1
     assert victim.read_bytes() == b"precious" and "Traceback" not in server.log()
+
+
+def test_a_server_refuses_a_linked_agents_folder(default_model_dir: Path, tmp_path: Path) -> None:
+    """It would have written every agent's files where the link points, outside the cache dir."""
+    cache_dir, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    cache_dir.mkdir()
+    elsewhere.mkdir()
+    (cache_dir / "agents").symlink_to(elsewhere, target_is_directory=True)
+    server = ServerProcess(cache_dir, "--model", str(default_model_dir))
+    with pytest.raises(RuntimeError, match=r"refusing to serve: .*agents is a symbolic link"):
+        server.start()
+    assert server.proc is not None and server.proc.returncode == 1
+    assert list(elsewhere.iterdir()) == [] and "Traceback" not in server.log()
