@@ -29,11 +29,12 @@ claude-code:
     cd {{claude_dir}} && npm install --silent --no-audit --no-fund @anthropic-ai/claude-code
     {{claude_dir}}/node_modules/.bin/claude --version
 
-# ruff (lint and format check) and mypy.
+# ruff (lint and format check), mypy, and the docs site built with every link checked.
 lint:
     {{venv}}/bin/ruff check .
     {{venv}}/bin/ruff format --check .
     {{venv}}/bin/mypy
+    {{venv}}/bin/mkdocs build --strict --quiet
 
 # Reformat the code.
 fmt:

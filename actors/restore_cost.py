@@ -1,7 +1,7 @@
 """Whether a returning agent's cache is read from disk or computed again: decided per restore, by cost.
 
 On a CPU a cache file reads far faster than its tokens prefill; on a GPU it can be the other way
-(an H200: 0.27 s to read a history that prefills in 0.094 s). So each restore compares two
+(bench/results/cuda-h200/agent_resume.json: from disk slower than cold). So each restore compares two
 estimates: the file's bytes at the read bandwidth of this server's own cache-file reads, and the
 history's tokens at the prefill speed of the engine's own steps on this backend. Until both are
 known the cache is read: a probe at start-up would time a small file out of the page cache (not

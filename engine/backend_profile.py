@@ -4,7 +4,7 @@ Every choice that exists for one kind of device lives here: our CPU kernels (`cp
 `cpu_swiglu`, the masks told apart), the step variants that replace parts of mlx-lm's batch
 generator (the last-token fold, the packed decode-and-prefill step, the joining batch cache),
 prefill sizes, the heap kept faulted in, and the launcher's OpenBLAS. Their reasons are CPU
-measurements (README, "Where the CPU's time goes"), so on Metal and CUDA every one of them is off
+measurements (docs/benchmarks.md, "Linux CPU speed"), so on Metal and CUDA every one of them is off
 by default and mlx-lm's own step runs, with its fused kernels: nothing CPU-specific is installed
 into a GPU process. Each part can be set either way (`[backend]` settings), and `exact_numerics`
 turns every kernel, fold and step variant off at once.
@@ -57,8 +57,8 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     mixed_step: bool  # decode and a prompt's chunk in one pass (mlx_adapter/mixed_step.py)
     joining_cache: bool  # joins and leaves at one copy of each row (mlx_adapter/batch_joins.py)
     # Drafts verified in the batch's pass (engine/speculation.py): n-gram drafts on the CPU, where
-    # code editing measured 2.5-3.4x and free-form chat 0.97x (bench/speculative_edit.py); opt-in
-    # on a GPU, which is unmeasured.
+    # code editing gains and free-form chat breaks even (bench/results/speculative_edit.json);
+    # opt-in on a GPU, which has no such result yet.
     speculate: Speculate
     prefill_batch_size: int
     prefill_step_size: int
@@ -130,7 +130,8 @@ def choose_profile(choices: BackendChoices | None = None, device: DeviceKind | N
 
     batch_size, step_size = _CPU_PREFILL if on_cpu else _GPU_PREFILL
     step_size = choices.prefill_step_size or step_size
-    # A returning agent's usual tool result (500-1,000 tokens) is a short turn on the CPU (README).
+    # A returning agent's usual tool result (500-1,000 tokens) is a short turn on the CPU
+    # (bench/results/agent_replay_cpu_8_short_turn_1024_even.json against ..._512.json).
     short_turn = (
         choices.short_turn_tokens
         if choices.short_turn_tokens is not None

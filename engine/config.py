@@ -38,7 +38,7 @@ class EngineConfig:
     # Waiting prompts are admitted shortest uncached part first; one waiting this long goes first.
     shortest_first_max_wait_s: float = 60.0
     # The shortest tick under load. 0: back to back. A floor caps every stream's decode at 1/tick_s
-    # tokens/s: 10 ms held SmolLM2-135M to 97 tok/s on an H200, whose step takes ~5 ms.
+    # tokens/s, which a small model's step on a GPU can run well past.
     tick_s: float = 0.0
     default_dtype: str = "float32"
     models_dir: Path | None = None  # where the default model is converted; None: the user cache

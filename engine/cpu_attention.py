@@ -1,8 +1,8 @@
 """Attention for MLX's CPU backend: the softmax that dominates long prompts, made cheaper.
 
 On the CPU, `mx.fast.scaled_dot_product_attention` falls back to matmul, softmax, matmul, and the
-softmax's scalar `exp` is the largest cost of a long prefill: a 519-token turn on a 2,208-token
-history spent 6.5 s of 9 s in it (SmolLM2-135M, 2 cores). Here:
+softmax's scalar `exp` is the largest cost of a long prefill (docs/benchmarks.md, "Linux CPU
+speed", has the figures). Here:
 
 - the query heads that share a KV head are folded into the rows of one matmul per KV head;
 - the exponential is `cpu_exp`'s compiled polynomial, not MLX's element-at-a-time `exp`;
@@ -11,16 +11,11 @@ history spent 6.5 s of 9 s in it (SmolLM2-135M, 2 cores). Here:
   is masked (a `where` over every score cost about as much as the exponential);
 - MLX's CPU reductions over the last axis run an element at a time, so row maxima are taken over
   blocks of 64 columns first and the normaliser is a matrix-vector product with ones.
-With the last two, one SmolLM2 layer's attention for a 16-token chunk over 2K tokens of history
-takes 1.5 ms instead of 2.3 (MLX's own: 5.4), and a 16-token chunk's forward pass 139 ms instead
-of 155 (2-vCPU EPYC).
 
 MLX runs each stream's ops one at a time on a thread of its own, and an elementwise op on one core.
 Given a second CPU stream, a call with many scores computes the second half of its query positions'
 row maxima and weights there (the matmuls stay on the calling stream: BLAS threads take both cores
-already). A returning turn's 26 tokens over a 36K history: 27-30 ms a layer instead of 35-37 (a tiny
-Llama, 2 KV heads); a 512-token chunk over 2K with SmolLM2's heads: 49 instead of 72, unmasked
-(2-core Intel Xeon).
+already), which pays for long histories and long chunks alike.
 
 Metal and CUDA keep their fused kernels: `mlx_adapter.model_hooks.install_kernel_hooks` routes
 mlx-lm's attention here only when the model runs on the CPU, only on the engine thread, and only for
@@ -46,15 +41,15 @@ from semantic.engine.cpu_exp import ExpKernels, kernels
 
 MAX_BLOCK = 64  # row maxima are taken over blocks of this many columns first (`_row_max`)
 # From this many scores in one call (batch x heads x queries x keys) the elementwise work is split
-# over two streams (`worth_splitting`). Measured on 2 cores: at 0.3M scores a wash (2.5-3.4 ms either
-# way), at 0.85M 0.5 ms saved of 7-9, from 1.2M 10-35% saved.
+# over two streams (`worth_splitting`): below about a million scores the second stream's overhead
+# eats what it saves.
 SPLIT_SCORES = 1 << 20
 
 
 def _row_max(scores: mx.array) -> mx.array:
     """Each row's maximum (keepdims). A row reduced in one pass runs an element at a time here;
     as blocks of `MAX_BLOCK` columns (the block maxima elementwise, then one max per row) the first
-    pass vectorises: 0.14 ms instead of 0.28 for the 48 x 2,048 scores of a 16-token chunk."""
+    pass vectorises."""
     *lead, width = scores.shape
     if width % MAX_BLOCK or width == MAX_BLOCK:
         return scores.max(axis=-1, keepdims=True)
@@ -216,9 +211,8 @@ def attention(
 
 
 # Below this many scores a call goes to MLX's own attention. Ours traces its compiled exponential
-# again for every new key length (every decode step), ~0.3 ms here, which only a larger score array
-# repays: a decode step over 1K keys with 9 heads took 0.68 ms against MLX's 0.54, over 4K 1.3
-# against 2.0, over 256 keys with 4 heads 0.48 against 0.22 (the fast regime's steps, issue 66).
+# again for every new key length (every decode step), which only a larger score array repays: a
+# small model's decode steps are faster with MLX's own (bench/results/step_overhead.json, issue 66).
 MIN_SCORES = 1 << 14
 
 
@@ -266,7 +260,7 @@ def _attend_rows(
     for part, part_weights in zip(columns, weights, strict=True):
         outs.append(part_weights @ part.values)
         # The normaliser as a matrix-vector product: a vectorised BLAS call where a sum over the
-        # last axis runs an element at a time (0.01 ms instead of 0.3 for a 16-token chunk's scores).
+        # last axis runs an element at a time.
         sums.append(part_weights @ mx.ones((part_weights.shape[-1], 1), dtype=dtype))
     out, normaliser = functools.reduce(mx.add, outs), functools.reduce(mx.add, sums)
     # A row's largest visible weight is 1, so its normaliser is at least 1; a row with every

@@ -4,9 +4,8 @@ compiled into one vectorised loop where the JIT works. The integer part is round
 1.5·2^23 trick rather than `floor`, and the compiled kernel returns the polynomial and the bits as
 two arrays of the input's shape, multiplied outside it: every input and output then has one shape,
 so `mx.compile` builds one vectorised loop (a broadcast input, or a bit-cast inside, makes it an
-element-at-a-time strided loop or splits it in several: 1.45 ms instead of 0.73 for the scores of a
-41-token turn over a 2.3K history, one SmolLM2 layer). Attention's softmax (`cpu_attention`) and
-SwiGLU's sigmoid (`cpu_swiglu`) use it.
+element-at-a-time strided loop or splits it in several, both much slower). Attention's softmax
+(`cpu_attention`) and SwiGLU's sigmoid (`cpu_swiglu`) use it.
 """
 
 from __future__ import annotations
@@ -92,8 +91,8 @@ def softmax(scores: mx.array) -> mx.array:
     """Softmax over the last axis in float32, with the compiled exponential. Weights below 2**-125
     come out zero: the exponential stops at 2**-126, so a masked score weighs that divided by the
     row's sum, often a denormal, and a denormal operand costs x86 CPUs a microcode assist on every
-    multiply that meets it (the tool model's LoRA steps, half their weights masked: 33 s each
-    instead of 7.7 on a 2-core Intel Xeon); such a weight adds nothing a float32 sum can hold."""
+    multiply that meets it (the tool model's LoRA steps, half their weights masked, ran several
+    times slower for it); such a weight adds nothing a float32 sum can hold."""
     weights = kernels().plain(scores, scores.max(axis=-1, keepdims=True))
     weights = weights / weights.sum(axis=-1, keepdims=True)
     return mx.where(weights < 2.0 ** (MIN_EXPONENT + 1), 0.0, weights)

@@ -1,9 +1,9 @@
 """SwiGLU (`silu(gate) * x`, the MLP of most mlx-lm models) for MLX's CPU backend, made cheaper.
 
-MLX's CPU `exp`, and so its sigmoid, costs ~10 ns an element here: in mlx-lm's compiled `swiglu`
-that is 0.9 ms of a SmolLM2 layer's 2.9 ms for a 40-token turn, and ~10 ms a layer for a 512-token
-chunk, a fifth of the prefill. Here the sigmoid takes its exponential from `cpu_exp`'s
-polynomial (relative error < 3e-7) on a non-positive argument, exp(-|gate|), so nothing overflows:
+MLX's CPU `exp`, and so its sigmoid, runs an element at a time, which makes mlx-lm's compiled
+`swiglu` a large part of a prefill (docs/benchmarks.md, "Linux CPU speed"). Here the sigmoid takes
+its exponential from `cpu_exp`'s polynomial (relative error < 3e-7) on a non-positive argument,
+exp(-|gate|), so nothing overflows:
 
     sigmoid(g) = 1 / (1 + e)  for g >= 0,   e / (1 + e)  for g < 0,   where e = exp(-|g|).
 

@@ -173,8 +173,8 @@ class DraftLength:
         if 2 * num_accepted >= num_drafted:
             self._num_failures = 0
             return
-        # A verify that kept less than half its drafts cost more than it gave (on the CPU a verify of
-        # 3 rows x 5 tokens costs ~1.4 one-token steps: bench/speculative_edit.py's chat).
+        # A verify that kept less than half its drafts cost more than it gave (on the CPU a wide
+        # verify costs more than a one-token step: bench/results/speculative_edit.json's chat).
         self._num_failures += 1
         if self._num_failures >= NUM_FAILURES_TO_PAUSE:
             self._pause()

@@ -2,8 +2,8 @@
 
 mlx-lm's BatchGenerator interleaves on its own: each `next()` steps the decoding batch once and
 then prefills one chunk of the waiting prompt. With a fixed chunk (512 tokens on the CPU) a
-running stream waits for the whole chunk between two of its tokens: ~2 s here, 30 times its
-decode step. So the chunk is sized every tick instead.
+running stream waits for the whole chunk between two of its tokens, many times its decode step.
+So the chunk is sized every tick instead.
 
 A tick costs about D + c + n·p: one decode step D for the running batch, and a chunk of n prompt
 tokens at p each on top of a fixed cost c (the chunk's own pass: launching its kernels, reading the
@@ -12,41 +12,40 @@ With a stall ratio r the chunk may take r·D, so n = (r·D - c)/p holds a runnin
 between tokens near (1 + r)·D. Where c alone takes more than half of that (a GPU, whose chunk of
 any size costs about one launch-bound pass, ~ D), the chunk gets as long again as its fixed cost,
 n = c/p: a chunk of 16 tokens would pay c for almost nothing, and a 2K-token arrival would wait
-through a hundred such stalls (on an H200, sized as n = r·D/p with c in p: 1.3 s to its first
-token, against 0.3-0.5 s for `mlx_lm.server`; 0.15 s sized this way). D, c and p are measured as
-the engine runs: D as a moving average of ticks that only decode (one for each number of
-sequences decoding), c and p as a least-squares line through recent chunks' prefill times
+through a hundred such stalls (bench/results/cuda-h200/arrivals.json is this sizing on a GPU). D, c
+and p are timed as the engine runs: D as a moving average of ticks that only decode (one for each
+number of sequences decoding), c and p as a least-squares line through recent chunks' prefill times
 (weighted towards the newest), so the budget follows the backend and the model. Until two chunk
-sizes far enough apart have been seen, p is the last chunks' time per token with c taken as 0,
-and a chunk that already overruns, or one about the size of the last, is doubled to find the
-line. With nothing decoding, a prompt prefills in full chunks.
+sizes far enough apart have been seen, p is the last chunks' time per token with c taken as 0, and a
+chunk that already overruns, or one about the size of the last, is doubled to find the line. With
+nothing decoding, a prompt prefills in full chunks.
 
 The line is trusted only near the sizes it was fitted on, and it lags costs that drift (a prompt's
 later chunks attend over all it has prefilled, so its tokens get dearer as it goes):
 - a chunk is at most 1.5 times the largest of the last few, so a slope fitted on chunks of 16-40
-  tokens (short turns, noisy times) cannot send a 512-token chunk into a running stream's step
-  (measured: a 1.1 s stall, 18 decode steps);
+  tokens (short turns, noisy times) cannot send a 512-token chunk into a running stream's step;
 - c counts as at most D when sizing the chunk: a chunk's fixed cost is at most one more pass over
   the weights, and a larger intercept is drift under the line, not a cost to amortise;
 - a chunk that took over 1.1 times its aim shrinks the next in proportion;
 - while chunks keep one size (no line can be fitted), p is refitted through their mean time with
-  c kept (measured before: a 66-token chunk kept while its ticks went from 210 to 310 ms).
+  c kept, so a chunk whose ticks grow longer shrinks rather than keeping its size.
 On a machine whose time per token doubles every 2K prompt tokens, the property test holds each
-chunk within 2.5x its aim (worst seen 2.1x; before, 6x).
+chunk within 2.5x its aim (tests/test_prefill_budget.py).
 
 A short turn goes in whole chunks even while streams decode: a prompt whose uncached part is at
 most `short_turn_tokens` (by default two chunks on the CPU, one on a GPU), a returning agent's turn
 (its new messages on top of a cached history), costs the running streams one longer stall, where
 small chunks would each pay a decode step and give half of each tick to the streams, and delay that
 agent's reply about two-fold. Only longer prompts (cold histories, long documents) are chunked. A
-short turn longer than a chunk takes as many ticks as whole chunks would, in chunks of one size:
-520 tokens as two of 260, not 512 and 8, so its longest stall is half a chunk, not a whole one.
-Where to draw the line is a trade, measured on the 8-agent replay (2 CPU cores, tool results of
-~520 new tokens): with short turns up to two chunks, the tool results go whole and the returning
-turns' median time to first token fell from 5.5 to 3.3 s, but the streams' time between tokens went
-from 1.7 to 3.4 s at p99 (a 512-token chunk over a 2.6K-token history takes ~2.4 s here, and the
-ticks in which a sequence joins or leaves the batch copy every running cache). An agent server
-waits on turns, so the CPU's default is two chunks; a GPU's one chunk is 2,048 tokens already.
+short turn longer than a chunk takes as many ticks as whole chunks would, in chunks of one size: 520
+tokens as two of 260, not 512 and 8, so its longest stall is half a chunk, not a whole one. Where to
+draw the line is a trade, shown by the 8-agent replay on the CPU with short turns up to one chunk
+(bench/results/agent_replay_cpu_8_short_turn_512.json) and up to two
+(agent_replay_cpu_8_short_turn_1024_even.json): with two, the tool results go whole and the
+returning turns' first tokens come sooner, but the streams' worst times between tokens grow (a whole
+chunk over a long history is one long tick, and so are the ticks in which a sequence joins or leaves
+the batch and every running cache is copied). An agent server waits on turns, so the CPU's default
+is two chunks; a GPU's one chunk is 2,048 tokens already.
 """
 
 from __future__ import annotations

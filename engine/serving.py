@@ -182,7 +182,7 @@ class ServingCore(EngineCore):
 
 def unanswered(messages: list[Message]) -> list[Message]:
     """The tick's messages but the asks it answered, which the tick needs no more: a cache read from
-    disk (~100 MB for a 2K-token history of SmolLM2-135M) is then freed before the turn it was read
+    disk (the whole history's keys and values) is then freed before the turn it was read
     for is admitted, whose history takes that memory rather than fresh pages. A lost group still
     fails what is left (an answered ask has its answer)."""
     return [m for m in messages if not isinstance(m, Envelope) or isinstance(m.command, Drain)]

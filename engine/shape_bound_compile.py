@@ -1,12 +1,11 @@
 """`mx.compile` for functions called with ever new shapes, keeping a bounded number of traces.
 
 A function compiled without `shapeless` is traced once per distinct set of input shapes, and MLX
-keeps every trace (~32 KB each here) for as long as the compiled function lives. The CPU kernels
-see a new shape nearly every step (a decode step's scores are one column wider per token of
-history), so a server running for days grew without bound: 194 MiB over 6,000 history lengths.
-`shapeless=True` keeps one trace but builds a slower loop here (the exponential of a 512 x 2048
-chunk's scores: 3.8 ms instead of 2.5). So: compile per shape, and past `max_shapes` distinct
-shapes start a new compiled function (MLX erases a compiled function's traces with it).
+keeps every trace for as long as the compiled function lives. The CPU kernels see a new shape nearly
+every step (a decode step's scores are one column wider per token of history), so a server running
+for days grew without bound. `shapeless=True` keeps one trace but builds a slower loop on the CPU.
+So: compile per shape, and past `max_shapes` distinct shapes start a new compiled function (MLX
+erases a compiled function's traces with it).
 """
 
 from __future__ import annotations

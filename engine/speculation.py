@@ -11,11 +11,11 @@ grammar: they read every token's context as it is sampled) and without a seed (a
 draws the same random numbers as without drafts). A step verifies only as wide as it pays: each
 width's expected tokens (every row's own, and the drafts each row can expect to keep, estimated
 from its verifies and from its drafter's guesses at the tokens being computed) over what a step of
-that width measured on this machine (`step_costs.py`), by a margin. On a GPU a wider step costs
-about what a one-token step does, so drafts are nearly always verified; on a 2-core CPU a 3 x 5
-verify costs ~1.5 one-token steps, so copies' drafts (nine in ten kept) are verified and free-form
-chat's wait, or ride a step that verifies anyway. The batch owns this and gives it to the
-generator's decode batch; it is read and changed on the engine thread only.
+that width costs as the engine times it (`step_costs.py`), by a margin. On a GPU a wider step costs
+about what a one-token step does, so drafts are nearly always verified; on a CPU a wide verify costs
+more than a one-token step, so copies' drafts (most of them kept) are verified and free-form chat's
+wait, or ride a step that verifies anyway. The batch owns this and gives it to the generator's
+decode batch; it is read and changed on the engine thread only.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from semantic.engine.step_costs import StepCosts
 
 # A verify must promise (1 + MARGIN) times a one-token step's tokens per second. Every row pays for
 # a verify but keeps only its own drafts, and rows that started together finish with the one that
-# kept fewest: free-form chat keeps ~60% of its drafts, and with a margin of 0.1 three chat replies
-# decoded at 0.93-0.97x the speed of no drafts; a copy's verifies promise 2-3x. On a GPU, where a
+# kept fewest: with a smaller margin free-form chat decoded slower than without drafts, while a
+# copy's verifies clear this one easily (bench/results/speculative_edit.json). On a GPU, where a
 # wide step costs about what a one-token step does, it asks only that drafts keep half a token a row.
 MARGIN = 0.5
 MOST_DRAFTED = 8  # per row and step: the widest verify a copy's drafts (nine in ten kept) pay for on the CPU

@@ -1,13 +1,13 @@
-"""What a decode step costs on this machine, by its rows and width, measured as the engine runs.
+"""What a decode step costs here, by its rows and width, timed as the engine runs.
 
 A step that verifies drafts feeds each row its pending token and its drafts, padded to the widest:
 rows x width tokens in one forward pass. On a GPU, where a step reads the weights once whatever it
-feeds, a 3 x 5 step should cost about what a 3 x 1 step does (not measured here); on a 2-core CPU it
-costs ~1.5 times as much (and, measured, a 3 x 2 step more than a 3 x 3), so drafts that are kept a
-third of the time cost more than they give. The speculation weighs each width against these figures
-(`speculation.py`), so it is the machine, not a constant, that decides what drafting is worth. Sizes
-are kept by rows and width, not by tokens: a 1 x 3 verify waits for its logits where a 3 x 1 step
-overlaps the engine's work, so the two cost differently.
+feeds, a 3 x 5 step should cost about what a 3 x 1 step does; on a CPU it costs more (and a narrower
+step does not always cost less than a wider one), so drafts that are seldom kept cost more than they
+give. The speculation weighs each width against these figures (`speculation.py`), so it is the
+machine, not a constant, that decides what drafting is worth. Sizes are kept by rows and width, not
+by tokens: a 1 x 3 verify waits for its logits where a 3 x 1 step overlaps the engine's work, so the
+two cost differently.
 
 A step's time is from the decode batch's call to its next call: mlx-lm's one-token step returns the
 last step's tokens while computing this one's, so that interval is one step's compute (the engine's

@@ -1,6 +1,6 @@
-"""Write the architecture conformance table (tests/conformance.py's JSON) into the README.
+"""Write the architecture conformance table (tests/conformance.py's JSON) into docs/models.md.
 
-    python scripts/conformance_table.py [bench/results/conformance.json] [--readme README.md]
+    python scripts/conformance_table.py [bench/results/conformance.json] [--page docs/models.md]
 
 Replaces only what lies between `<!-- conformance:begin -->` and `<!-- conformance:end -->`.
 """
@@ -64,12 +64,12 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_between_markers(readme: Path, table: str) -> None:
-    text = readme.read_text()
+def write_between_markers(page: Path, table: str) -> None:
+    text = page.read_text()
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
-        raise SystemExit(f"{readme}: no {BEGIN} ... {END} markers, in that order")
-    readme.write_text(text[: start + len(BEGIN)] + "\n" + table + "\n" + text[end:])
+        raise SystemExit(f"{page}: no {BEGIN} ... {END} markers, in that order")
+    page.write_text(text[: start + len(BEGIN)] + "\n" + table + "\n" + text[end:])
 
 
 def main() -> None:
@@ -77,9 +77,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("results", type=Path, nargs="?", default=Path("bench/results/conformance.json"))
-    parser.add_argument("--readme", type=Path, default=Path("README.md"))
+    # --readme: the name from when the table lived in README.md
+    parser.add_argument("--page", "--readme", dest="page", type=Path, default=Path("docs/models.md"))
     args = parser.parse_args()
-    write_between_markers(args.readme, render(json.loads(args.results.read_text())))
+    write_between_markers(args.page, render(json.loads(args.results.read_text())))
 
 
 if __name__ == "__main__":

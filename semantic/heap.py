@@ -1,14 +1,13 @@
 """The process heap under the launcher's malloc settings: a reserve kept ready, the rest given back.
 
 On Linux MLX's CPU allocator mallocs every array, and the launcher (semantic/launch.py) keeps glibc
-from handing freed memory back to the kernel, so arrays reuse pages that are already mapped. What was
-never touched costs a page fault per 4 KB on first use, 0.7-3.9 s a GB on this project's 2-core VM:
+from handing freed memory back to the kernel, so arrays reuse pages that are already mapped. What
+was never touched costs a page fault per 4 KB on first use (docs/benchmarks.md, "Linux CPU speed"):
 a returning agent's first turn after a restart reads its cache file, fills its blocks and builds its
-history in one array, ~350 MB for a 2.4K-token SmolLM2 history (3x its KV bytes), and took
-0.51-0.74 s to its first token, against 0.35-0.45 s with 512 MB faulted in at start-up. So the
-server faults a reserve in before it listens (`cache.heap_reserve_mb`); once idle, it keeps the heap
-as it is while no more than the reserve is free, and otherwise gives the free pages back and faults
-the reserve in again: an idle daemon holds the reserve, not its busiest moment.
+history in one array, about three times its KV bytes, and would pay those faults before its first
+token. So the server faults a reserve in before it listens (`cache.heap_reserve_mb`); once idle, it
+keeps the heap as it is while no more than the reserve is free, and otherwise gives the free pages
+back and faults the reserve in again: an idle daemon holds the reserve, not its busiest moment.
 """
 
 from __future__ import annotations
@@ -122,8 +121,8 @@ async def give_memory_back_when_idle(
     it runs.
 
     The launcher keeps the heap at its peak while work runs (decoding wants it), but a daemon is
-    idle most of the time and would otherwise hold its busiest moment's memory for good (a 10-minute
-    soak: RSS up 190 MiB with MLX's own memory flat, and a trim gave 240 MiB back in ~24 ms).
+    idle most of the time and would otherwise hold its busiest moment's memory for good (the soak's
+    heap trims: bench/results/soak.json).
     Under load it does nothing: the next steps would only fault the same pages in again.
     """
     loop = asyncio.get_running_loop()

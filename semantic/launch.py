@@ -1,22 +1,22 @@
 """Start processes with the environment their device wants: a fast BLAS where MLX runs on a Linux CPU.
 
-The Linux mlx-cpu wheel multiplies matrices with the reference BLAS, which makes prefill ~25x
-slower. We preload a runtime-dispatching OpenBLAS (the `ngsolve-openblas` wheel) so MLX's
-`cblas_*` calls resolve to it. `LD_PRELOAD` only takes effect at process start, so the CLI
-re-executes itself and `python -m semantic.launch CMD...` wraps any other command.
+The Linux mlx-cpu wheel multiplies matrices with the reference BLAS, which makes prefill many times
+slower (docs/benchmarks.md, "Linux CPU speed"). We preload a runtime-dispatching OpenBLAS (the
+`ngsolve-openblas` wheel) so MLX's `cblas_*` calls resolve to it. `LD_PRELOAD` only takes effect at
+process start, so the CLI re-executes itself and `python -m semantic.launch CMD...` wraps any other
+command.
 
 The same environment keeps glibc's malloc from handing each large buffer back to the kernel: MLX's
 CPU allocator mallocs every array, and an attention score matrix of tens of MB otherwise comes
-from a fresh `mmap` whose page faults cost more than the arithmetic on it (an elementwise op over
-12.7M floats: 37 ms with mmap, 4 ms from the heap). The heap keeps its peak size instead, and
+from a fresh `mmap` whose page faults cost more than the arithmetic on it. The heap keeps its peak
+size instead, and
 every thread shares the main arena, whose settings these are.
 
 And OpenBLAS's idle threads stop spinning almost at once (`BLAS_TUNING`): by default each spins
 for about 2^28 cycles after every call, which costs nothing on an idle machine and everything on
-a busy one, where the spinning threads take the cores from the thread with work. Measured on 2
-cores beside two busy processes: a 36-token reply took 29-38 s instead of 2.3 s idle, 7-11 s with
-the short spin (2.1 s idle, no slower), and a 1.5K-token prefill 25-33 s, 23-25 s with it (6.8 s
-idle either way).
+a busy one, where the spinning threads take the cores from the thread with work. The short spin
+makes a reply beside busy processes several times faster and an idle one no slower
+(docs/benchmarks.md, "Linux CPU speed").
 
 All of it is for the CPU, so the launcher decides by device, not by OS, and without importing
 mlx.core (that loads the backend's libraries into a process about to be replaced): from
@@ -43,8 +43,7 @@ LaunchDevice = Literal["cpu", "gpu"]
 FAST_BLAS_MARKER = "SEMANTIC_FAST_BLAS"  # set in the environment once OpenBLAS is preloaded
 _OPT_OUT = "SEMANTIC_NO_FAST_BLAS"
 # One arena: glibc gives other threads arenas of 64 MB heaps that map and unmap what outgrows them,
-# so on the engine thread (not the main one) those arrays paid the page faults all the same (an
-# elementwise op over 13.6M floats: 55 ms there against 7 ms on the main thread).
+# so on the engine thread (not the main one) those arrays paid the page faults all the same.
 MALLOC_TUNING = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 34), "MALLOC_ARENA_MAX": "1"}
 # OpenBLAS threads spin 2^n cycles waiting for work before they sleep; 4 is the least it takes.
 BLAS_TUNING = {"OPENBLAS_THREAD_TIMEOUT": "4"}
@@ -213,8 +212,8 @@ def fast_blas_env(
 
 def _with_blas_threads(env: dict[str, str]) -> dict[str, str] | None:
     """Ranks of a group on one machine share its cores; OpenBLAS threads that spin while they wait
-    starve the ring's collectives (measured: a 2-rank returning turn took 6.5 s with 2 threads each,
-    0.37 s with 1). None where this process is not such a rank."""
+    starve the ring's collectives: one thread each makes a group's turns many times faster. None
+    where this process is not such a rank."""
     sharing = ranks_on_this_machine(env)
     if sharing <= 1:
         return None

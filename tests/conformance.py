@@ -4,7 +4,7 @@ generation, on five checks (tests/conformance_checks.py: cold, resume, restart, 
 
     python -m semantic.launch .venv/bin/python -m tests.conformance [--only NAME...] \\
         [--default-suite] --out bench/results/conformance.json
-    .venv/bin/python scripts/conformance_table.py bench/results/conformance.json  # the README table
+    .venv/bin/python scripts/conformance_table.py bench/results/conformance.json  # docs/models.md's table
 
 Each architecture runs in a process of its own, so one that aborts in C++ is reported ("crashed")
 and the rest still run. An architecture whose system does not start is "refused", with the reason;

@@ -3,8 +3,8 @@
 our engine with the device's default profile (on the CPU: our kernels, the fold, the mixed step, the
 joining cache, n-gram drafts). The five run concurrently, as users send them, and one prompt also runs alone.
 
-What holds, measured on this CPU (README, "Exact numerics"): every reply is mlx-lm's token for token
-in both profiles; a lone stream with exact numerics is mlx-lm's to the last bit of every logprob;
+What holds, measured on this CPU (docs/benchmarks.md, "Exact numerics"): every reply is mlx-lm's token
+for token in both profiles; a lone stream with exact numerics is mlx-lm's to the last bit of every logprob;
 otherwise logprobs move by up to ~2e-5 (OpenBLAS rounds a row differently with the number of rows
 multiplied with it, and our kernels reorder sums), ~200 times less than the smallest top-2 gap met
 on these replies (3.8e-3), so greedy choices cannot flip here. A near-tie below that bound could

@@ -22,12 +22,13 @@ the load with a SeamError naming the assumption. The pieces (all against mlx-lm 
   `HistoryKVCache` subclasses KVCache to take over `merge`. Why: a running sequence's cache read
   as views, and a returning agent's history copied once, not two or three times.
 - `batch_joins`: `JoiningBatchKVCache` subclasses BatchKVCache, replacing `extend` and `filter`.
-  Why: a sequence joining or leaving the decode batch copies each history once (mlx-lm: 2-3x).
+  Why: a sequence joining or leaving the decode batch copies each history once (mlx-lm: two or three times).
 - `last_token_fold`: `FoldingBatchGenerator` forks `BatchGenerator._next` (pinned by the SHA-256 of
   `_next` and `GenerationBatch._step`; another mlx-lm gets its own generator, unfolded). Why: a
-  prompt's last token rides its last chunk, not a forward pass of its own (~60 ms a CPU turn).
+  prompt's last token rides its last chunk, not a forward pass of its own (on the CPU, a
+  pass over every weight saved per turn).
 - `mixing_generator`: `MixingBatchGenerator` subclasses the folding one, overriding `_next`. Why:
-  decode rows and a prompt chunk in one forward pass on the CPU (~140 ms where two took ~190).
+  decode rows and a prompt chunk in one forward pass on the CPU, which reads the weights once.
 - `mixed_step`: the packed pass, handing mlx-lm's model layers a cache object of ours
   (`PackedLayerCache`). Why: what makes the mixing generator's one pass possible; probed at load.
 - `speculative_batch`: `SpeculativeGenerationBatch` subclasses `GenerationBatch`, overriding `next`

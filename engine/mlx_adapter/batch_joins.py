@@ -8,12 +8,10 @@ by concatenating again. Here a join is one copy into a fresh array with room aft
 (up to a step of it), and a leave gathers the kept rows from their shifted start (mlx-lm gathers
 whole rows, then shifts a view).
 
-Measured on this 2-core box, six ~2.9K-token SmolLM2-135M rows joined by a 2.9K-token prompt (1 GB
-of float32 keys and values), four runs each: a join and the step after it 0.24-0.34 s against
-0.54-0.82 s for mlx-lm's `extend` and the step that grows its array, a leave 0.10-0.12 s against
-0.15-0.76 s. Each sequence's history up to the write index, and every field mlx-lm's methods set,
-come out as mlx-lm's would (`check_joins_match_mlx_lm`, run at load). Written against mlx-lm
-0.32.2's `BatchKVCache` (its fields `_idx`, `left_padding`, `offset`, `step`).
+With long histories those copies are most of a join's or a leave's time, so one copy instead of two
+or three is the gain. Each sequence's history up to the write index, and every field mlx-lm's
+methods set, come out as mlx-lm's would (`check_joins_match_mlx_lm`, run at load). Written against
+mlx-lm 0.32.2's `BatchKVCache` (its fields `_idx`, `left_padding`, `offset`, `step`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 mlx-lm's BatchGenerator holds each prompt's last token back from the prefill and runs it as a
 one-token forward pass when the prompt joins the decode batch. That pass reads every weight for a
-single token: on the CPU ~60 ms of a returning agent's ~0.3 s turn (40 new tokens over a 2.3K
-history, SmolLM2-135M), and a tick of its own.
+single token: on the CPU a sizeable part of a returning agent's short turn, and a tick of its own.
 
 Here, when one prompt is being prefilled and what is left of it fits the tick's chunk, the chunk
 carries the last token too and the model's head runs on that position alone. The prompt then

@@ -2,8 +2,8 @@
 
 While sequences decode and a prompt is prefilled beside them, mlx-lm's BatchGenerator runs two
 forward passes a step: one token for each decoding sequence, then the prompt's chunk. On the CPU
-each pass reads every weight (~50 ms of SmolLM2-135M's fp32 weights here), so a tick that decodes
-two streams and prefills 16 prompt tokens paid that read twice: ~190 ms, where one pass takes ~140.
+each pass reads every weight, so a tick that decodes a few streams and prefills a small chunk paid
+that read twice, where one pass reads them once.
 
 Here the two are one pass, as vLLM and SGLang schedule them. Every token is its own row, so the
 model's per-token layers (embedding, norms, projections, MLP, head) see one matrix of B + C rows;
@@ -153,8 +153,8 @@ def _probe(model: Any, mixed: MixedForward) -> bool:
     prompt = _batch_caches(model, [PROBE_PROMPT_HISTORY])
     if not all(type(c) is BatchKVCache for c in [*decode, *prompt]):
         return False  # rotating (sliding-window) or state-space layers: not packed
-    # The same histories for mlx-lm's passes, copied rather than run again: each forward pass of a
-    # 135M model reads all its weights (50-110 ms on 2 CPU cores), and the probe runs at every load.
+    # The same histories for mlx-lm's passes, copied rather than run again: each forward pass reads
+    # all the model's weights, and the probe runs at every load.
     reference_decode, reference_prompt = copy.deepcopy(decode), copy.deepcopy(prompt)
     decode_logits, last_logits = mixed(mx.array(PROBE_DECODE_TOKENS), decode, PROBE_CHUNK, prompt, True)
     decode_expected = model(mx.array(PROBE_DECODE_TOKENS)[:, None], cache=reference_decode)

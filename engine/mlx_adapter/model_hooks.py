@@ -11,8 +11,8 @@ SwiGLU); everywhere else each is mlx-lm's own
 function, bit for bit. Metal and CUDA keep their fused kernels.
 
 A batch cache's mask is a boolean array even for one sequence without padding (mlx-lm's
-`BatchKVCache.make_mask`), and masking every score cost a returning agent's 30-token turn over a
-2.3K history ~1 ms a layer. So on the engine thread the masks of more than one row that
+`BatchKVCache.make_mask`), and masking every score costs a returning agent's short turn over a
+long history time in every layer. So on the engine thread the masks of more than one row that
 `create_causal_mask` makes are remembered with their largest left padding, and attention given
 one of them masks only the columns that need it (`cpu_attention.PaddedCausal`); any other array is
 applied whole.
@@ -65,7 +65,7 @@ def _second_cpu_stream() -> mx.Stream | None:
     core, so work split over two streams takes both cores (BLAS calls stay on one stream: their own
     threads already take both). Only attention's weights are made there, used up within the layer:
     a returning turn's values gathered there from the pool (arrays the batch then updates in place)
-    made its first token slower through the server, 0.33-0.39 s instead of 0.25-0.31 at a 40K history.
+    made its first token slower through the server, not faster.
     None off the engine thread, where the model is not on the CPU, or with one core."""
     if not _on_engine_thread() or mx.default_device() != mx.cpu or (os.cpu_count() or 1) < 2:
         return None
@@ -98,7 +98,7 @@ def _causal_mask_hook(original: Callable[..., mx.array]) -> Callable[..., mx.arr
         mask = original(N, offset, window_size, right_padding, left_padding)
         # A decode step's one-row mask is applied whole: its largest padding would be read with a
         # sync (`tolist`) while the previous step still computes, which stalls mlx-lm's pipelined
-        # decode (one stream after a 1.1K prompt: ~7.5 tok/s with the sync, ~8.4 without).
+        # decode, which costs more than masking the row whole.
         if N > 1 and _on_engine_thread() and window_size is None and right_padding is None:
             max_left_padding = 0 if left_padding is None else int(left_padding.max().tolist())  # type: ignore[arg-type]
             _remembered_masks().append(cpu_attention.PaddedCausal(mask, max_left_padding))

@@ -110,7 +110,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         inputs = mx.concatenate([self._next_tokens[:, None], padded], axis=1)  # padding: never kept
         logits = self.model(inputs, cache=self.prompt_cache)  # (B, width, vocab)
         # Evaluated only where a request asks for log-probabilities: a logsumexp over the vocabulary
-        # costs ~1 ms a position on a 2-core CPU, ~27 ms of a 3 x 9 verify.
+        # at every position is a large part of a wide verify's time on the CPU.
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         # Every greedy row's choice at each position, in one wait for the whole step. The argmax of
         # the logits: subtracting the logsumexp, one number per position, moves no maximum but for
