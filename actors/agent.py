@@ -179,11 +179,12 @@ class AgentActor:
                 )
                 kept = conversation.token_ids if conversation is not None else None
                 explaining = (self._models, session, self._cache_notes, self.agent_id, kept, turn, prompt)
-                cache, digest = await explain_turn(*explaining)  # before the submit: headers go first
                 is_fork = conversation is None and self._is_side_request(session, prompt)
                 # A fork leaves this agent's cache alone: the engine matches it by content or starts one.
                 request.agent_id = None if is_fork else self.agent_id
-                stream, restore = await self._submit(session, request, turn.cache_salt)
+                stream, restore, (cache, digest) = await self._submit(
+                    session, request, turn.cache_salt, explaining
+                )
                 if is_fork:
                     return self._answer_fork(reply, session, prompt, stream, cache, restore)
                 if self._deleted is not None:  # deleted while this turn was being prepared
@@ -271,14 +272,20 @@ class AgentActor:
             self._cache_notes.record(self.agent_id, TurnNote(fingerprint, history, digest))
 
     async def _submit(
-        self, session: ModelSession, request: GenerationRequest, cache_salt: str | None
-    ) -> tuple[RequestStream, RestoreDecision | None]:
+        self,
+        session: ModelSession,
+        request: GenerationRequest,
+        cache_salt: str | None,
+        explaining: tuple[Any, ...],
+    ) -> tuple[RequestStream, RestoreDecision | None, tuple[CacheReport, RequestDigest | None]]:
         """Submit the turn, behind the agent's cache if that has to be read from disk (the engine
         thread takes its messages in order), then settle the restore's answer; with the restore's
-        decision where one was made."""
+        decision where one was made, and the turn explained (`explain_turn` of `explaining`) before
+        the submit (headers go first), after the read (a restarted server's note is the file's)."""
         restoring, decision = await self._send_cache_from_disk(session, request.request_id, cache_salt)
         try:
-            return self._engine.submit(request), decision
+            cache = await explain_turn(*explaining)
+            return self._engine.submit(request), decision, cache
         finally:
             if restoring is not None:
                 await self._settle_restore(session, restoring)
@@ -321,6 +328,9 @@ class AgentActor:
         cache = await persistence.load(agent_id)
         if cache is None:
             return None, decision
+        if self._cache_notes.note_of(agent_id) is None:  # a restart: the file holds the history
+            history = history_of(cache.tensors["tokens"].tolist(), ())
+            self._cache_notes.record(agent_id, TurnNote(fingerprint, history, None))
         try:
             return self._engine.send(RestoreCache(cache, fingerprint, cache_salt)), decision
         except EngineError as error:  # the engine stopping: the submit says so

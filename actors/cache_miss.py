@@ -56,6 +56,12 @@ class CacheReport:
     def is_miss(self) -> bool:
         return self.parted_at is not None
 
+    def served(self, num_cached_tokens: int) -> CacheReport:
+        """The report with what the engine reused (`PromptStarted`): the tokens the turn resumed
+        from may stop short of where the prompt parted (a sliding or recurrent model resumes where
+        it kept a point), and the request's log line states the same figure."""
+        return replace(self, num_reused_tokens=num_cached_tokens)
+
     def fields(self) -> list[tuple[str, object]]:
         shown: list[tuple[str, object]] = [("parted", self.parted_at), ("message", self.message)]
         shown += [("block", self.block), ("reason", self.reason.value)]

@@ -138,13 +138,14 @@ class AgentCacheStore:
         self.pins = PrefixPins(pool, policy)
         self.running_shares = RunningShares(pool)  # the prefixes new agents' sequences started from
         self._anonymous_ids = itertools.count()
+        self.num_blocks_per_point = _num_blocks_per_point(spec)
 
     def resolve_agent_id(self, agent_id: str | None, prompt: list[int], salt: str | None = None) -> str:
         """An explicit id wins; otherwise the cached agent (same salt) whose tokens the prompt extends,
-        or, for a model with recurrent layers, the one it can resume the most of: a client that sends
-        its whole conversation back re-renders the last reply, which may not re-tokenize the same,
-        and only the agent's own states (where its prompt ended) let the turn resume short of the
-        end (a full-attention or sliding model resumes from the shared blocks instead)."""
+        or, for a model with recurrent or sliding layers, the one it can resume the most of: a client
+        that sends its whole conversation back re-renders the last reply, which may not re-tokenize
+        the same, and only the agent's own points (where its prompt ended) let the turn resume short
+        of the end (a full-attention model resumes from the shared blocks instead)."""
         if agent_id is not None:
             return agent_id
         return self.find_anonymous(prompt, salt) or f"{ANONYMOUS_PREFIX}{next(self._anonymous_ids)}"
@@ -155,7 +156,7 @@ class AgentCacheStore:
         for agent in self.agents.values():
             if is_anonymous(agent.agent_id) and agent.num_running == 0 and agent.salt == salt:
                 shared = common_prefix_length(agent.token_ids, prompt)
-                if shared < agent.num_tokens and self.spec.has_state_layers:
+                if shared < agent.num_tokens and agent.state_points:
                     shared = self._resume_point(agent, min(shared, len(prompt) - 1))
                 elif shared < agent.num_tokens:
                     continue
@@ -192,18 +193,25 @@ class AgentCacheStore:
         token of a full-attention model's; where sliding layers still hold the window before it; and
         for recurrent layers, a point where their state was kept."""
         spec = self.spec
+        # Points whose windows are kept with them (or that need none) resume whatever the blocks hold.
+        windowed = {
+            p.num_tokens
+            for p in agent.state_points
+            if p.num_tokens <= limit and (p.windows or not spec.has_sliding_layers)
+        }
         if spec.has_state_layers:
             own = {p.num_tokens for p in agent.state_points if p.num_tokens <= limit}
             shared = {n for n, p in self._shared_points(agent.token_ids[:limit], agent.salt) if p is not None}
-            candidates = sorted(own | shared, reverse=True)
+            candidates = own | shared
         elif spec.has_sliding_layers:
             boundaries = range(limit // spec.block_size * spec.block_size, 0, -spec.block_size)
-            candidates = [limit, *boundaries]
+            candidates = {limit, *boundaries, *windowed}
         else:
             return limit
-        for candidate in candidates:
-            if candidate and can_resume_at(
-                self.pool, self.codec, spec, agent.block_ids, candidate, agent.num_tokens
+        for candidate in sorted(candidates, reverse=True):
+            if candidate and (
+                candidate in windowed
+                or can_resume_at(self.pool, self.codec, spec, agent.block_ids, candidate, agent.num_tokens)
             ):
                 return candidate
         return 0
@@ -320,6 +328,7 @@ class AgentCacheStore:
         in_blocks = min(len(block_ids) * self.spec.block_size, agent.num_tokens)
         step = HistoryKVCache.step
         capacity = -(-(prompt_length + 1) // step) * step
+        state = next((p for p in agent.state_points if p.num_tokens == num_tokens), None)
         attention = attention_kv_of(
             self.pool,
             self.spec,
@@ -328,8 +337,8 @@ class AgentCacheStore:
             num_tokens,
             room=max(0, capacity - in_blocks),
             num_held=agent.num_tokens,
+            windows=state.windows if state is not None else (),
         )
-        state = next((p for p in agent.state_points if p.num_tokens == num_tokens), None)
         if state is None and self.spec.has_state_layers:
             shared = self._shared_points(agent.token_ids[:num_tokens], agent.salt)
             state = next(p for n, p in shared if n == num_tokens and p is not None)
@@ -357,7 +366,7 @@ class AgentCacheStore:
         points += [point] if point is not None else []
         # Reserved blocks past those the tokens can take go back first: the window layers' charge is
         # taken from the free blocks as blocks are filed.
-        keep = self.spec.num_blocks_for(num_tokens) + len(points) * self.spec.num_blocks_per_state
+        keep = self.spec.num_blocks_for(num_tokens) + len(points) * self.num_blocks_per_point
         given_back = reserved[keep:]
         del reserved[keep:]  # the caller's list: it frees what is left of it whatever happens here
         self.pool.free(given_back)
@@ -405,7 +414,7 @@ class AgentCacheStore:
         block_ids = file_blocks(self.pool, block_size, token_ids, kv_runs, spare, salt, encode, allocate)
         state_block_ids: list[int] = []
         try:
-            for _ in range(len(points) * self.spec.num_blocks_per_state):
+            for _ in range(len(points) * self.num_blocks_per_point):
                 state_block_ids.append(spare.pop() if spare else allocate())
         except BaseException:
             self.pool.free(block_ids)
@@ -583,4 +592,13 @@ class AgentCacheStore:
             (start for start, sliding in zip(starts, slides, strict=True) if sliding), default=len(token_ids)
         )
         num_windowed = num_blocks - window_start // spec.block_size if spec.window_extra else 0
-        return num_new + spec.window_extra * num_windowed + num_state_points * spec.num_blocks_per_state
+        return num_new + spec.window_extra * num_windowed + num_state_points * self.num_blocks_per_point
+
+
+def _num_blocks_per_point(spec: ModelCacheSpec) -> int:
+    """Pool blocks an agent's state point is charged: its recurrent state and its sliding layers'
+    windows (each as wide as the layer's window: a point short of one is charged as if it were)."""
+    window_bytes = 0
+    for layer, (heads, key_dim, value_dim) in zip(spec.attention_layer_ids, spec.kv_widths, strict=True):
+        window_bytes += (spec.layer_windows[layer] or 0) * heads * (key_dim + value_dim) * spec.dtype_size
+    return -(-(spec.state_bytes + window_bytes) // spec.bytes_per_block)

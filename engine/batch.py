@@ -91,8 +91,8 @@ class Batch:
         """Whether a prompt batch is still being prefilled (in chunks of `prefill_step_size`).
 
         A prompt inserted now would join that batch left-padded to the tokens it has already
-        processed, which costs more than waiting for its last chunk; measured here, four
-        1,200-token prompts arriving 0.15 s apart took 43 s that way against 32 s arriving together.
+        processed, which costs more than waiting for its last chunk: prompts arriving a moment apart
+        finish later that way than had they arrived together.
         """
         return generator_seams.is_prefilling(self._generator)
 
@@ -171,7 +171,7 @@ class Batch:
         model's state, a sliding model's windows) for other agents: the last block boundary of its
         shared head (the system prompt and tools) and, for an agent new to the cache, the end of the
         blocks other agents' prompts already share with it (the next agent to share them resumes
-        there); and a recurrent model's own, before the prompt's last token. None for a model of
+        there); and the agent's own, before the prompt's last token. None for a model of
         full-attention layers only."""
         spec = self._loaded.spec
         if not spec.has_state_layers and not spec.has_sliding_layers:
@@ -180,10 +180,9 @@ class Batch:
         positions = {request.shared_head_tokens // size * size}
         if not returning:  # a returning agent's blocks are its own history: it resumes from its own
             positions.add(len(self._store.held_block_ids(prompt[:-1], request.cache_salt)) * size)
-        if spec.has_state_layers:
-            # Where the prompt ends but for its last token: a template that re-renders the reply may
-            # tokenize that token (the generation prompt's newline, say) together with the reply's.
-            positions.add(len(prompt) - 1)
+        # Where the prompt ends but for its last token: a template that re-renders the reply may
+        # tokenize that token (the generation prompt's newline, say) together with the reply's.
+        positions.add(len(prompt) - 1)
         return sorted(p for p in positions if num_cached < p <= len(prompt) - 1)
 
     def _insert(
@@ -302,7 +301,7 @@ class Batch:
         # mlx-lm returns a token one step after computing it, so that its next step overlaps the
         # caller's work; a first token would wait that whole step for nothing: it is taken as soon
         # as it exists. On a GPU that waits for the queued step: the overlap is lost once per prompt
-        # (on an H100 the replay's returning turns had their first token after 2 steps, not 3).
+        # (bench/results/cuda-h100/agent_replay.json against agent_replay_before_early_first_token.json).
         if ended_prompts:
             ending |= self.running.take_first_tokens(generator_seams.first_tokens(generator, ended_prompts))
         if ending:

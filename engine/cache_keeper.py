@@ -9,8 +9,9 @@ token should not.
 
 A model with recurrent layers cannot resume anywhere else than where their state was kept: the
 keeper keeps it where a prompt ends (the agent's next turn may not continue its reply token for
-token) and where its prefill stopped at the end of a system prompt other agents share (a segment
-end, `Batch.insert`), shared with them under that block's hash once its blocks are.
+token), with a sliding model's windows there, and where its prefill stopped at the end of a system
+prompt other agents share (a segment end, `Batch.insert`), shared with them under that block's hash
+once its blocks are.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ class CacheKeeper:
             state = state_point_of(spec, caches, num_tokens)
             running.checkpoints.append(Checkpoint(num_tokens, state, runs))
             if num_tokens == len(running.request.prompt_tokens) - 1:
-                running.prompt_state = state  # the agent's next turn may resume here
+                # The agent's next turn may resume here: its sliding windows are kept with the point
+                # (the blocks keep only the window where the reply ends).
+                running.prompt_state = state_point_of(spec, caches, num_tokens, with_windows=True)
 
     def _publish_prompt(self, generator: BatchGenerator, uid: int, running: Sequence) -> None:
         spec = self._spec

@@ -30,15 +30,20 @@ LayerKV = tuple[mx.array | None, mx.array | None]
 
 @dataclass(slots=True)
 class StatePoint:
-    """The recurrent layers' state after a sequence's first `num_tokens` tokens: per STATE layer,
-    the arrays of its `ArraysCache`. A turn whose prompt starts with those tokens resumes from it."""
+    """What resuming after a sequence's first `num_tokens` tokens takes beside its blocks: per STATE
+    layer, the arrays of its `ArraysCache`, and (an agent's own points) per sliding layer, the keys
+    and values of the window before it (`windows`, in `ModelCacheSpec.window_slots` order; () where
+    the blocks are to hold them). A turn whose prompt starts with those tokens resumes from it."""
 
     num_tokens: int
     layers: tuple[tuple[Any, ...], ...]
+    windows: tuple[tuple[Any, Any], ...] = ()
 
     @property
     def nbytes(self) -> int:
-        return sum(int(array.nbytes) for layer in self.layers for array in layer)
+        arrays = [array for layer in self.layers for array in layer]
+        arrays += [array for window in self.windows for array in window]
+        return sum(int(array.nbytes) for array in arrays)
 
 
 @dataclass(slots=True)
@@ -91,6 +96,11 @@ def state_tensor_name(point: int, layer: int, index: int) -> str:
     return f"state.{point}.{layer}.{index}"
 
 
+def window_tensor_name(point: int, window: int, part: str) -> str:
+    """A state point's keys or values of its `window`-th sliding layer."""
+    return f"window.{point}.{window}.{part}"
+
+
 def stored_dtype(dtype: str) -> np.dtype[Any]:
     """The numpy type a file holds arrays of the MLX dtype named `dtype` as; ValueError for a name
     that is not one of MLX's dtypes of a width a file holds."""
@@ -122,6 +132,9 @@ def to_tensors(snapshot: CacheSnapshot) -> SerializedCache:
         for layer, state in enumerate(point.layers):
             for index, array in enumerate(state):
                 arrays[state_tensor_name(p, layer, index)] = array
+        for window, (keys, values) in enumerate(point.windows):
+            arrays[window_tensor_name(p, window, "keys")] = keys
+            arrays[window_tensor_name(p, window, "values")] = values
         points.append((point.num_tokens, [len(state) for state in point.layers]))
     mx.eval(list(arrays.values()))
     tensors = {name: _to_numpy(array) for name, array in arrays.items()}
@@ -168,7 +181,7 @@ def from_tensors(cache: SerializedCache, spec: ModelCacheSpec) -> HostSnapshot:
                     raise ValueError(f"state {p}.{layer}.{index} has shape {array.shape}, the model {shape}")
                 state.append(_from_numpy(array, getattr(mx, dtype)))
             layers.append(tuple(state))
-        points.append(StatePoint(num_tokens, tuple(layers)))
+        points.append(StatePoint(num_tokens, tuple(layers), _windows_of(tensors, p, spec)))
     return HostSnapshot(
         cache.agent_id,
         tensors["tokens"].tolist(),
@@ -178,3 +191,19 @@ def from_tensors(cache: SerializedCache, spec: ModelCacheSpec) -> HostSnapshot:
         getattr(mx, spec.dtype),
         cache.imported,
     )
+
+
+def _windows_of(
+    tensors: dict[str, np.ndarray], point: int, spec: ModelCacheSpec
+) -> tuple[tuple[Any, Any], ...]:
+    """A state point's sliding windows, where the file holds every one (() otherwise: the point then
+    needs the blocks to hold them). The layout check has bounded their shapes."""
+    dtype = getattr(mx, spec.dtype)
+    windows = []
+    for window in range(len(spec.window_slots)):
+        keys = tensors.get(window_tensor_name(point, window, "keys"))
+        values = tensors.get(window_tensor_name(point, window, "values"))
+        if keys is None or values is None:
+            return ()
+        windows.append((_from_numpy(keys, dtype), _from_numpy(values, dtype)))
+    return tuple(windows)

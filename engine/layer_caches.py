@@ -58,8 +58,8 @@ class BlockCodec:
     def encode_host(self, array: np.ndarray, dtype: mx.Dtype) -> Any:
         """A block from a cache file's numpy array (bfloat16 travels as uint16): one copy, straight
         into the block, rather than into a whole-history array first and then into blocks."""
-        # A block is a strided slice of the file's array: MLX copies one ~4x slower than numpy makes it
-        # contiguous (0.7 vs 0.19 ms for 256 tokens of a SmolLM2 layer here).
+        # A block is a strided slice of the file's array, which MLX copies several times slower than
+        # numpy makes it contiguous.
         block = mx.array(np.ascontiguousarray(array)).view(dtype)
         return block if self.bits is None else self._quantized(block)
 
@@ -85,11 +85,13 @@ def attention_kv_of(
     num_tokens: int,
     room: int = 0,
     num_held: int | None = None,
+    windows: tuple[tuple[Any, Any], ...] = (),
 ) -> list[tuple[mx.array, mx.array]]:
     """Each attention layer's keys and values for a sequence's first `num_tokens` tokens, from its
     blocks `block_ids` (holding `num_held` tokens, by default `num_tokens`): a full layer's over
     every block (up to the blocks' end) and `room` zeroed positions after them; a sliding layer's
-    over the window before `num_tokens` only (`can_resume_at` says whether the blocks hold it)."""
+    over the window before `num_tokens` only, from `windows` (a `StatePoint`'s, kept there) or else
+    the blocks (`can_resume_at` says whether they hold it)."""
     payloads = [pool.payload(block_id) for block_id in block_ids]
     size, held = spec.block_size, num_tokens if num_held is None else num_held
 
@@ -101,10 +103,14 @@ def attention_kv_of(
 
     layers = []
     last = spec.num_blocks_for(num_tokens)
+    kept_windows = iter(windows)
     for slot, layer in enumerate(spec.attention_layer_ids):
         window = spec.layer_windows[layer]
         if window is None:
             layers.append((joined(slot, 0, 0, len(payloads), room), joined(slot, 1, 0, len(payloads), room)))
+            continue
+        if windows:
+            layers.append(next(kept_windows))
             continue
         start = max(0, num_tokens - window)
         first = start // size
@@ -202,14 +208,23 @@ def kv_run(cache: Any, num_tokens: int) -> tuple[mx.array, mx.array, int]:
     return keys[..., :num_tokens, :], values[..., :num_tokens, :], 0
 
 
-def state_point_of(spec: ModelCacheSpec, caches: list[Any], num_tokens: int) -> StatePoint | None:
-    """The recurrent layers' state in a sequence's live caches, copied (so it keeps no batch array
-    alive); None for a model without recurrent layers."""
-    if not spec.has_state_layers:
+def state_point_of(
+    spec: ModelCacheSpec, caches: list[Any], num_tokens: int, with_windows: bool = False
+) -> StatePoint | None:
+    """The recurrent layers' state in a sequence's live caches and, `with_windows`, its sliding
+    layers' windows before `num_tokens`, copied (so it keeps no batch array alive); None for a model
+    with neither to keep."""
+    windowed = with_windows and spec.has_sliding_layers
+    if not spec.has_state_layers and not windowed:
         return None
     layers = tuple(tuple(mx.array(array) for array in caches[layer].cache) for layer in spec.state_layer_ids)
-    mx.eval(layers)
-    return StatePoint(num_tokens, layers)
+    windows: list[tuple[Any, Any]] = []
+    for layer in spec.sliding_layer_ids if windowed else ():
+        keys, values, _ = kv_run(caches[layer], num_tokens)
+        held = min(int(keys.shape[2]), spec.layer_windows[layer] or 0)
+        windows.append((mx.array(keys[..., -held:, :]), mx.array(values[..., -held:, :])))
+    mx.eval(layers, windows)
+    return StatePoint(num_tokens, layers, tuple(windows))
 
 
 def block_payload(

@@ -112,6 +112,8 @@ def watch(request: web.Request, stream: RequestStream) -> RequestStream:
             record.num_prompt_tokens = event.num_prompt_tokens
             record.num_reused_tokens = event.num_cached_tokens
             record.cache_tier = event.cache_tier
+            if record.cache is not None:  # the header states the reuse the log line states
+                record.cache = record.cache.served(event.num_cached_tokens)
             if event.queued_at:
                 record.handled_s = max(0.0, event.queued_at - record.started)
                 record.engine_wait_s = event.waited_s

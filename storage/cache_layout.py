@@ -12,7 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from semantic.engine.cache_tensors import attention_tensor_name, state_tensor_name, stored_dtype
+from semantic.engine.cache_tensors import (
+    attention_tensor_name,
+    state_tensor_name,
+    stored_dtype,
+    window_tensor_name,
+)
 
 # Per axis: what it counts, and the fewest and most it may hold.
 Axes = list[tuple[str, int, int]]
@@ -30,13 +35,15 @@ def layout_problem(
     expected = {"tokens": (np.dtype(np.int32), [("tokens", num_tokens, num_tokens)])}
     expected |= _attention_tensors(spec, kv_starts, num_tokens)
     expected |= _state_tensors(spec, state_points)
+    windows = _window_tensors(spec, state_points)
+    expected |= windows
     if unknown := sorted(tensors.keys() - expected.keys()):
         return f"{unknown[0]} is not a tensor of this model's cache"
     for name, (dtype, axes) in expected.items():
         tensor = tensors.get(name)
         if tensor is None:
-            if any(label == "tokens" and low == 0 for label, low, _ in axes):
-                continue  # a layer that holds no token is left out
+            if name in windows or any(label == "tokens" and low == 0 for label, low, _ in axes):
+                continue  # a layer that holds no token, or a point whose windows the blocks hold
             return f"{name} is missing"
         if tensor.dtype != dtype:
             return f"{name}: elements of {tensor.dtype}, this model's cache holds {dtype}"
@@ -84,4 +91,36 @@ def _state_tensors(
             for index, (shape, dtype) in enumerate(arrays):
                 axes = [(f"state axis {axis}", int(n), int(n)) for axis, n in enumerate(shape)]
                 expected[state_tensor_name(point, layer, index)] = (stored_dtype(str(dtype)), axes)
+    return expected
+
+
+def _window_tensors(
+    spec: dict[str, Any], state_points: list[tuple[int, list[int]]]
+) -> dict[str, tuple[np.dtype[Any], Axes]]:
+    """Per state point, each sliding layer's keys and values of the window before it (a point may
+    leave them out): one batch row, the layer's KV heads, its window's tokens, the width."""
+    kinds = list(spec.get("layer_kinds", []))
+    if "sliding" not in kinds or not state_points:
+        return {}
+    dtype = stored_dtype(str(spec["dtype"]))
+    attention = [
+        (kind, window) for kind, window in zip(kinds, spec["layer_windows"], strict=True) if kind != "state"
+    ]
+    sliding = [
+        (window, width)
+        for (kind, window), width in zip(attention, spec["kv_widths"], strict=True)
+        if kind == "sliding"
+    ]
+    expected = {}
+    for point, (num_tokens, _) in enumerate(state_points):
+        for index, (window, width) in enumerate(sliding):
+            heads, key_width, value_width = (int(n) for n in width)
+            held = min(int(window), num_tokens)
+            for part, part_width in (("keys", key_width), ("values", value_width)):
+                label = "key width" if part == "keys" else "value width"
+                axes = [("batch rows", 1, 1), ("KV heads", heads, heads), ("tokens", held, held)]
+                expected[window_tensor_name(point, index, part)] = (
+                    dtype,
+                    [*axes, (label, part_width, part_width)],
+                )
     return expected
