@@ -239,6 +239,7 @@ def tiny_llama_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     return build_tiny_model("llama", tmp_path_factory.mktemp("machine-model"), default_model_dir)
 
 
+@pytest.mark.timeout(300 * NUM_EXAMPLES)  # each example starts (and restarts) its own servers
 def test_no_acknowledged_turn_is_lost_and_no_deleted_agent_comes_back(tiny_llama_dir: Path) -> None:
     AgentLifecycle.model_dir = tiny_llama_dir
     AgentLifecycle.num_steps_run = AgentLifecycle.num_restarts = 0
