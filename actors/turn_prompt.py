@@ -3,11 +3,13 @@ given the model's sampling defaults and, where the turn constrains its output, a
 
 from __future__ import annotations
 
+from loguru import logger
 from msgspec.structs import replace
 
 from semantic.actors.model_session import ModelSession
 from semantic.actors.models import ModelHost
 from semantic.actors.turns import (
+    OutputGrammar,
     PreparedPrompt,
     PromptBound,
     PromptLimitError,
@@ -16,6 +18,7 @@ from semantic.actors.turns import (
     prepare_stateless,
 )
 from semantic.engine.cache_pins import block_aligned
+from semantic.engine.grammar import GrammarError, GrammarMatcher
 from semantic.engine.messages import GenerationRequest
 from semantic.heap import give_memory_back
 from semantic.storage.conversation_file import ConversationRecord
@@ -66,7 +69,23 @@ async def build_request(
         cache_pins=block_aligned(prompt.cache_pins, loaded.spec.block_size),
     )
     if prompt.grammar is not None:
-        compile_grammar = session.grammars.matcher
-        grammar, trigger = prompt.grammar.grammar, prompt.grammar.trigger
-        request.grammar = await models.tokenize(compile_grammar, grammar, trigger, turn.cache_salt)
+        request.grammar = await _compile(models, session, prompt.grammar, turn.cache_salt)
     return prompt, request
+
+
+async def _compile(
+    models: ModelHost, session: ModelSession, grammar: OutputGrammar, cache_salt: str | None
+) -> GrammarMatcher | None:
+    """The grammar's matcher, or its fallback's where llguidance refuses guidance the server chose."""
+    try:
+        return await models.tokenize(session.grammars.matcher, grammar.grammar, grammar.trigger, cache_salt)
+    except GrammarError as error:
+        if grammar.fallback is None and not grammar.is_optional:
+            raise
+        fallback = "looser" if grammar.fallback is not None else "none"
+        logger.warning(
+            "tool calls: guidance by the tools' schemas refused ({}); guidance: {}", error, fallback
+        )
+        if grammar.fallback is None:
+            return None
+        return await _compile(models, session, grammar.fallback, cache_salt)

@@ -19,6 +19,7 @@ from semantic.engine.errors import PromptTooLongError
 from semantic.engine.grammar import (
     GrammarError,
     json_schema_grammar,
+    loosened,
     strict_calls_grammar,
     tool_call_grammar,
 )
@@ -104,15 +105,23 @@ class TurnRequest:
     cache_salt: str | None = None
     # Anthropic `cache_control`: (message index, offset in its content, ttl_s), kept for the ttl.
     cache_breakpoints: list[tuple[int, int, float]] = field(default_factory=list)
+    # Calls the model chooses to write are decoded under their tools' schemas from their opening on
+    # (the server's `model.tool_calls`); strict tools are held to theirs either way.
+    guided_tool_calls: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class OutputGrammar:
     """The llguidance grammar (engine/grammar.py) the reply is decoded under: from its first token,
-    or, with a `trigger`, from each place the reply writes it (a tool call's opening) on."""
+    or, with a `trigger`, from each place the reply writes it (a tool call's opening) on.
+
+    Guidance the server chose, not the client, never refuses a turn: where llguidance cannot compile
+    it, the turn goes on under `fallback`, or free where `is_optional` and there is none."""
 
     grammar: str
     trigger: str | None = None
+    fallback: OutputGrammar | None = None
+    is_optional: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +137,7 @@ class PreparedPrompt:
     tool_format: ToolFormat = HERMES  # how the model writes calls, for the reply's tool-call parser
     tools: list[dict[str, Any]] | None = None  # the request's tools: parsers type arguments by them
     is_raw: bool = False  # a completion of raw text or tokens: its reply is all plain text
+    prefill: str = ""  # the client's start of the reply: read for a call it opens, never sent back
     shared_head_tokens: int = 0  # its leading system prompt and tools, which other agents may share
     cache_pins: tuple[CachePin, ...] = ()  # the prompt's cache_control breakpoints, as token counts
 
@@ -201,7 +211,7 @@ def prepare_stateless(
     salt = turn.cache_salt
     return PreparedPrompt(
         token_ids, prefix, parses_tools, text[-512:], stop_after_call, grammar,
-        tool_format=chat.tool_format, tools=turn.tools,
+        tool_format=chat.tool_format, tools=turn.tools, prefill=turn.prefill,
         shared_head_tokens=chat.head_length(turn.messages, turn.tools, text, token_ids, salt),
         cache_pins=prompt_pins(chat, turn.messages, turn.tools, breakpoints, text, token_ids, salt),
     )  # fmt: skip
@@ -209,13 +219,15 @@ def prepare_stateless(
 
 def output_grammar(chat: ChatFormat, turn: TurnRequest, forced: ForcedCall | None) -> OutputGrammar | None:
     """What the reply is decoded under: a forced call's arguments follow its tool's schema; otherwise
-    the reply follows the requested output schema; otherwise calls to `strict` tools follow theirs
-    whenever the model opens one. Raises GrammarError where that cannot be enforced."""
+    the reply follows the requested output schema; otherwise each call the model opens follows its
+    tool's schema (guided calls), or, with guidance off, calls to `strict` tools follow theirs.
+    Raises GrammarError where a client's schema (output, forced or strict) cannot be enforced."""
     tools = turn.tools or []
     strict = [tool for tool in tools if tool["function"].get("strict")]
     if turn.output_schema is not None and forced is None:
         return OutputGrammar(json_schema_grammar(turn.output_schema, "output format"))
-    if forced is None and not strict:
+    guided = turn.guided_tool_calls and bool(tools) and turn.tool_choice.mode != "none"
+    if forced is None and not strict and not guided:
         return None
     arguments_key = _arguments_key(chat.forced_call_prefix("tool") or "")
     if arguments_key is None:  # calls are not JSON objects in this model's format
@@ -227,7 +239,33 @@ def output_grammar(chat: ChatFormat, turn: TurnRequest, forced: ForcedCall | Non
         return OutputGrammar(tool_call_grammar(forced.name, arguments_key, tools, closer, "tools"))
     if turn.tool_choice.mode == "none":
         return None
-    return OutputGrammar(strict_calls_grammar(strict, arguments_key, closer, "tools"), chat.tool_call_opener)
+    trigger, head = _call_trigger(chat)
+    if not guided or trigger is None:  # no marker opens a call (Llama's bare JSON): strict ones only
+        if not strict:
+            return None
+        return OutputGrammar(
+            strict_calls_grammar(strict, arguments_key, closer, "tools"), chat.tool_call_opener
+        )
+    # Strict tools keep their schemas; the others fall back to any JSON object where theirs cannot
+    # be enforced, and the turn to free calls where no strict tool needs a grammar.
+    loose = [tool if tool["function"].get("strict") else loosened(tool) for tool in tools]
+    fallback = OutputGrammar(
+        strict_calls_grammar(loose, arguments_key, closer, "tools", head), trigger, is_optional=not strict
+    )
+    try:
+        grammar = strict_calls_grammar(tools, arguments_key, closer, "tools", head)
+    except GrammarError:
+        return fallback
+    return OutputGrammar(grammar, trigger, fallback, is_optional=True)
+
+
+def _call_trigger(chat: ChatFormat) -> tuple[str | None, str]:
+    """The marker that opens a call block (what mlx-lm's parser reads for it) and the opening's text
+    between it and `{"name": "`; no marker where the format's opening does not begin with one."""
+    start, opening = chat.tool_format.start, chat.forced_call_prefix(None)
+    if not start or not opening.startswith(start) or not opening.endswith('{"name": "'):
+        return None, ""
+    return start, opening[len(start) :].removesuffix('{"name": "')
 
 
 def _arguments_key(named_prefix: str) -> str | None:

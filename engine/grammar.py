@@ -63,14 +63,27 @@ def tool_call_grammar(
 
 
 def strict_calls_grammar(
-    tools: list[dict[str, Any]], arguments_key: str, closer: str | None, where: str
+    tools: list[dict[str, Any]], arguments_key: str, closer: str | None, where: str, head: str = ""
 ) -> str:
-    """The grammar of one JSON call to any of `tools` from its `{"name": "` on: for a lazy matcher
-    that the format's call opening triggers (a model that chooses to call `strict` tools)."""
-    return _any_call_grammar(json.dumps(_NAME_HEAD), tools, arguments_key, closer, where)
+    """The grammar of one JSON call to any of `tools` from `head` (the opening's text between the
+    trigger and `{"name": "`) on: for a lazy matcher that the format's call opening triggers (a model
+    that chooses to call). A head that starts with a newline may leave it out."""
+    return _any_call_grammar(_head(head + _NAME_HEAD), tools, arguments_key, closer, where)
 
 
 _NAME_HEAD = '{"name": "'
+
+
+def _head(text: str) -> str:
+    if text.startswith("\n"):
+        return f'"\\n"? {json.dumps(text[1:])}'
+    return json.dumps(text)
+
+
+def loosened(tool: dict[str, Any]) -> dict[str, Any]:
+    """`tool` with arguments held to nothing but a JSON object: for a tool whose schema cannot be
+    enforced when guidance, not the client, asked for it."""
+    return {**tool, "function": {**tool["function"], "parameters": {"type": "object"}}}
 
 
 def _any_call_grammar(

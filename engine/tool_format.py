@@ -44,6 +44,8 @@ _CALL_OPENINGS = {
     "pythonic": "<|tool_call_start|>[{name}(",
     "qwen3_coder": "<tool_call>\n<function={name}>\n",
 }
+# Blocks inside a call that a family's models also write bare (Ollama 16686, 18530 for Qwen3-Coder).
+_INNER_BLOCKS = {"qwen3_coder": ("<function=", "</function>")}
 _MISTRAL_OPENINGS = ('[TOOL_CALLS][{"name": "{name}", "arguments": ', "[TOOL_CALLS]{name}[ARGS]")
 
 
@@ -57,6 +59,10 @@ class ToolFormat:
     parse: ParseToolCall  # block text (markers stripped) and the request's tools -> call dict(s)
     call_opening: str  # the reply text that opens a call; NAME marks where the tool's name goes
     bare_json_calls: bool = False  # a reply that opens with a `{"name"` object is a call
+    # A call's inner block that models write without `start` around it (Qwen3-Coder's
+    # `<function=...>...</function>`): read as a call too.
+    inner_start: str = ""
+    inner_end: str = ""
 
     def forced_prefix(self, tool_name: str | None) -> str:
         """Reply text that opens a call: to `tool_name`, or, cut before the name, to any tool."""
@@ -114,7 +120,10 @@ def detect_tool_format(tokenizer: Any) -> ToolFormat:
         opening = _CALL_OPENINGS.get(name, tokenizer.tool_call_start)
         if name == "mistral":
             opening = _MISTRAL_OPENINGS["[ARGS]" in template]
-        return ToolFormat(name, tokenizer.tool_call_start, tokenizer.tool_call_end or "", parse, opening)
+        inner = _INNER_BLOCKS.get(name, ("", ""))
+        return ToolFormat(
+            name, tokenizer.tool_call_start, tokenizer.tool_call_end or "", parse, opening, False, *inner
+        )
     if "parameters" in template and "<tool_call>" not in template:
         return LLAMA3
     return HERMES

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from aiohttp import web
+from loguru import logger
 
 from semantic import Event, Finished, PromptProgress, PromptStarted, SamplingParams, TokenDelta, TokenLogprob
 from semantic.actors.turns import TurnRequest, TurnStarted
@@ -24,7 +25,7 @@ from semantic.protocols.errors import ApiError, as_api_error
 from semantic.protocols.observe import admit, check_bounds, record_of, watch
 from semantic.protocols.reasoning import ReasoningSplitter, ThinkingEnd, ThinkingPart, prompt_opens_thinking
 from semantic.protocols.tenancy import is_admin
-from semantic.protocols.tool_parser import ParsedPart, ToolCallParser
+from semantic.protocols.tool_parser import ParsedPart, TextPart, ToolCallParser
 
 KEEPALIVE_S = 5.0
 
@@ -101,6 +102,7 @@ async def answer_turn(
     )
     admit(request, turn.agent_id)
     turn.may_switch_model = is_admin(request)  # a switch drains every namespace's requests
+    turn.guided_tool_calls = request.app[SETTINGS_KEY].model.tool_calls == "guided"
     started = await request.app[SYSTEM_KEY].start_turn(turn)
     stream = watch(request, started.stream)
     record = record_of(request)
@@ -171,6 +173,8 @@ async def turn_events(started: TurnStarted) -> AsyncIterator[TurnEvent]:
             case Finished():
                 for part in split("", final=True):
                     yield part
+                for failure in parser.failures:
+                    logger.warning("tool call in the {} format: {}", prompt.tool_format.name, failure)
                 if event.stop_sequence is not None and event.stop_sequence == prompt.stop_after_call:
                     event = replace(event, stop_sequence=None)  # our stop, not the client's
                 yield event
@@ -178,6 +182,9 @@ async def turn_events(started: TurnStarted) -> AsyncIterator[TurnEvent]:
                 yield event
                 for part in parser.feed(prompt.reply_prefix):
                     yield part
+                for part in parser.feed(prompt.prefill):  # the client's text: only a call it opens
+                    if not isinstance(part, TextPart):
+                        yield part
             case PromptProgress() | KeepAlive():
                 yield event
 

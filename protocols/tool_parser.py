@@ -14,7 +14,10 @@ Ours, where mlx-lm has nothing (its server drops what fails to parse and takes w
   generation (max_tokens) is closed into valid JSON;
 - each parsed call is checked (a name, arguments an object; arguments sent as a JSON string
   decoded, Llama's `parameters` read as `arguments`);
-- a reply that opens with a bare `{"name"` object is a call, for Llama 3.x.
+- a reply that opens with a bare `{"name"` object is a call, for Llama 3.x;
+- a call's inner block written without the block's own markers (Qwen3-Coder's `<function=...>`
+  without `<tool_call>`) is a call;
+- what went wrong with a call (cut off, unreadable) is kept in `failures`, for the log.
 """
 
 from __future__ import annotations
@@ -68,7 +71,13 @@ class ToolCallParser:
         self._format = tool_format
         self._tools = tools
         ends = [(tool_format.end, "normal")] if tool_format.end else []
-        self._machine = TextStateMachine({"normal": [(tool_format.start, "tool")], "tool": ends})
+        starts = [(tool_format.start, "tool")]
+        states = {"normal": starts, "tool": ends}
+        if tool_format.inner_start:
+            starts.append((tool_format.inner_start, "inner"))
+            states["inner"] = [(tool_format.inner_end, "normal")]
+        self._machine = TextStateMachine(states)
+        self.failures: list[str] = []  # what went wrong with calls, for the log
         self._state = self._machine.make_state("normal")
         self._call_opener: str | None = None  # the marker that opened the block being read
         self._call_text = ""
@@ -83,18 +92,22 @@ class ToolCallParser:
         self._state, segments = TextStateMachine.split(self._state, text)
         parts: list[ParsedPart] = []
         for at, (state, piece) in enumerate(segments):
-            if state == "tool":
+            if state != "normal":
                 if self._call_opener is None:
-                    self._call_opener = self._format.start
+                    self._call_opener = self._format.start if state == "tool" else self._format.inner_start
                 self._call_text += piece
                 continue
             if self._call_opener is not None:
-                if _ends_inside_a_json_string(self._call_text):
+                if not self._is_inner and _ends_inside_a_json_string(self._call_text):
                     return parts + self._reread_as_call(_rejoin(segments[at:], self._format))
-                parts += self._close_call(self._format.end)
+                parts += self._close_call(self._format.inner_end if self._is_inner else self._format.end)
             if piece:
                 parts.append(TextPart(piece))
         return parts
+
+    @property
+    def _is_inner(self) -> bool:
+        return bool(self._format.inner_start) and self._call_opener == self._format.inner_start
 
     def _reread_as_call(self, text: str) -> list[ParsedPart]:
         """The closer was inside a JSON string argument: it and what followed are the call's text."""
@@ -110,8 +123,9 @@ class ToolCallParser:
         head, self._reply_head = self._reply_head, None
         parts = self.feed(head) if head else []
         self._state, rest, state = TextStateMachine.flush(self._state)
-        if state == "tool":
+        if state != "normal":
             self._call_text += rest
+            self.failures.append(f"the reply ended inside a call: {_preview(self._call_text)}")
             return parts + self._close_call("")
         return parts + ([TextPart(rest)] if rest else [])
 
@@ -134,8 +148,12 @@ class ToolCallParser:
     def _close_call(self, closer: str) -> list[ParsedPart]:
         opener, body = self._call_opener or "", self._call_text
         self._call_opener, self._call_text = None, ""
-        calls = self._parse(body)
+        is_inner = bool(self._format.inner_start) and opener == self._format.inner_start
+        calls = self._parse(opener + body + closer if is_inner else body)
         if calls is None:
+            self.failures.append(
+                f"no parser reads the call, sent as text: {_preview(opener + body + closer)}"
+            )
             return [TextPart(opener + body + closer)]
         parts: list[ParsedPart] = []
         for name, arguments in calls:
@@ -189,12 +207,17 @@ def _checked_calls(parsed: object) -> list[tuple[str, dict[str, Any]]] | None:
     return calls or None
 
 
+def _preview(text: str, limit: int = 200) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
 def _rejoin(segments: list[tuple[str, str]], tool_format: ToolFormat) -> str:
     """The text the state machine split into `segments` (from a normal one on), markers put back."""
     text, previous = "", "normal"
     for state, piece in segments:
         if state != previous:
-            text += tool_format.start if state == "tool" else tool_format.end
+            markers = {"tool": tool_format.start, "inner": tool_format.inner_start}
+            text += markers.get(state, tool_format.inner_end if previous == "inner" else tool_format.end)
         text += piece
         previous = state
     return text

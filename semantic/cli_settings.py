@@ -139,6 +139,11 @@ SERVER_FLAGS = [
         "sampling temperature for requests that set none (default: the model's generation_config)",
     ),
     ("--default-max-tokens", "model.default_max_tokens", "max_tokens for requests that set none"),
+    (
+        "--tool-calls",
+        "model.tool_calls",
+        "guided (default): a tool call the model opens follows its tool's schema; free: as written",
+    ),
     ("--max-queued", "limits.max_queued", "requests that may wait beyond the running batch (then 429/529)"),
     ("--max-tokens-limit", "limits.max_tokens", "largest max_tokens a request may ask for"),
     ("--max-messages", "limits.max_messages", "most messages in one request"),

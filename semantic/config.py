@@ -56,6 +56,9 @@ class ModelSection(_Section):
     idle_unload_s: Positive | None = None
     swap_drain_timeout_s: Annotated[float, Meta(ge=0)] = 30.0
     temperature: Annotated[float, Meta(ge=0, le=2)] | None = None  # None: the model's own default
+    # guided: a call the model opens is decoded under its tools' schemas; free: as written (strict
+    # tools are held to theirs either way).
+    tool_calls: Literal["free", "guided"] = "guided"
     default_max_tokens: PositiveInt = 1024
 
 
