@@ -57,7 +57,7 @@ from semantic.engine.prefix_pins import PrefixPins
 from semantic.engine.retention import RunningShares, idle_caches
 
 # Shared recurrent states kept at once: each is one sequence's whole state (tens of MB in a large
-# hybrid model), and a few system prompts are what agents share.
+# hybrid model); a few system prompts and the prompts new agents repeat are what agents share.
 MAX_SHARED_STATES = 16
 
 
@@ -275,7 +275,7 @@ class AgentCacheStore:
         """Keep what resuming at the end of `token_ids` (a block boundary whose blocks the pool holds)
         takes, for other agents' prompts that start with them: the sliding layers of the blocks in
         the window before it, and the recurrent state there, if the pool has free blocks for them;
-        the least recently kept goes past MAX_SHARED_STATES."""
+        the least recently kept or resumed from goes past MAX_SHARED_STATES."""
         size, spec = self.spec.block_size, self.spec
         num_blocks = len(token_ids) // size
         if len(token_ids) % size or not num_blocks or checkpoint.num_tokens != len(token_ids):
@@ -296,7 +296,7 @@ class AgentCacheStore:
             self.drop_shared_state()
 
     def drop_shared_state(self) -> bool:
-        """Drop the least recently kept shared state, or else pin; whether there was one."""
+        """Drop the least recently kept or resumed from shared state, or else pin; whether there was one."""
         if not self.shared_states:
             return self.pins.drop()
         _, shared = self.shared_states.popitem(last=False)
@@ -342,7 +342,17 @@ class AgentCacheStore:
         if state is None and self.spec.has_state_layers:
             shared = self._shared_points(agent.token_ids[:num_tokens], agent.salt)
             state = next(p for n, p in shared if n == num_tokens and p is not None)
+        self._touch_shared_state(agent.token_ids[:num_tokens], agent.salt)
         return layer_caches(self.spec, self._new_caches(), attention, num_tokens, state)
+
+    def _touch_shared_state(self, token_ids: list[int], salt: str | None) -> None:
+        """A turn resumes at the end of `token_ids`: a shared state kept there goes last in the drop
+        order, so the points agents do resume from outlast those kept for prompts never repeated."""
+        if not self.shared_states or len(token_ids) % self.spec.block_size:
+            return
+        block_hash = hash_prefix_blocks(token_ids, self.spec.block_size, salt)[-1]
+        if block_hash in self.shared_states:
+            self.shared_states.move_to_end(block_hash)
 
     def store(
         self,

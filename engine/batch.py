@@ -170,9 +170,9 @@ class Batch:
         """Where the prefill of `request` stops to keep what resuming there takes (a recurrent
         model's state, a sliding model's windows) for other agents: the last block boundary of its
         shared head (the system prompt and tools) and, for an agent new to the cache, the end of the
-        blocks other agents' prompts already share with it (the next agent to share them resumes
-        there); and the agent's own, before the prompt's last token. None for a model of
-        full-attention layers only."""
+        blocks other agents' prompts already share with it and its prompt's last full block (the
+        next agent to share them, or to repeat the prompt, resumes there); and the agent's own,
+        before the prompt's last token. None for a model of full-attention layers only."""
         spec = self._loaded.spec
         if not spec.has_state_layers and not spec.has_sliding_layers:
             return []
@@ -180,6 +180,12 @@ class Batch:
         positions = {request.shared_head_tokens // size * size}
         if not returning:  # a returning agent's blocks are its own history: it resumes from its own
             positions.add(len(self._store.held_block_ids(prompt[:-1], request.cache_salt)) * size)
+            # Its last full block: the next new agent to repeat the prompt resumes where a
+            # full-attention model's would, with no system prompt to mark a shared head. Only where
+            # that saves at least the tokens whose KV the point's bytes would hold instead.
+            last_block = (len(prompt) - 1) // size
+            if last_block >= self._store.num_blocks_per_point:
+                positions.add(last_block * size)
         # Where the prompt ends but for its last token: a template that re-renders the reply may
         # tokenize that token (the generation prompt's newline, say) together with the reply's.
         positions.add(len(prompt) - 1)

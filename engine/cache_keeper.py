@@ -10,8 +10,8 @@ token should not.
 A model with recurrent layers cannot resume anywhere else than where their state was kept: the
 keeper keeps it where a prompt ends (the agent's next turn may not continue its reply token for
 token), with a sliding model's windows there, and where its prefill stopped at the end of a system
-prompt other agents share (a segment end, `Batch.insert`), shared with them under that block's hash
-once its blocks are.
+prompt other agents share or a new agent's last full block (a segment end, `Batch.insert`), shared
+with them under that block's hash once its blocks are.
 """
 
 from __future__ import annotations
