@@ -244,7 +244,8 @@ class Batch:
 
     def _may_draft(self, uid: int, request: GenerationRequest, processors: list[Any]) -> None:
         if self.speculation is not None:
-            self.speculation.add(uid, request.prompt_tokens, request.sampling, bool(processors))
+            others = [p for p in processors if p is not request.grammar]  # a grammar masks each draft
+            self.speculation.add(uid, request.prompt_tokens, request.sampling, bool(others), request.grammar)
 
     def _stop_drafting(self, uid: int) -> None:
         """A sequence leaves the generator: its drafting counts go with it."""

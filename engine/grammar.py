@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -150,15 +151,61 @@ class GrammarMatcher:
         self._pending = b""  # free text since the last call, as far as it may still hold a trigger
         self._num_calls = 0
         self.failure: str | None = None  # why the grammar forced the reply's end unfinished
+        # Speculative decoding: what each draft consumed since `mask_drafts` changed, to take it back.
+        self._drafted: list[tuple[LLMatcher | None, bytes, str | None, bool]] = []
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        return _masked(logits, self._next_mask(tokens, logits.shape[-1]))
+
+    def num_allowed(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, from the next token to be consumed on, the grammar allows: inside a
+        call, as far as the call goes (llguidance's `validate_tokens`); in free text, all of them."""
+        matcher = self._matcher
+        if matcher is None or matcher.is_stopped():
+            return len(tokens) if matcher is None else 0
+        return matcher.validate_tokens(list(tokens))
+
+    def mask_drafts(self, tokens: mx.array, logits: mx.array, drafts: Sequence[int]) -> tuple[mx.array, int]:
+        """A speculative verify's call: `logits` (1 + len(drafts), vocab) after the pending token (the
+        last of `tokens`) and after each draft. Each position is masked as a call after the tokens
+        before it would mask it, up to the first draft its mask refuses; returns the logits and how
+        many drafts were allowed (consumed). `keep_drafts` then takes back those the verify rejected."""
+        assert not self._drafted, "drafts masked twice without keep_drafts: the verify step's bug"
+        vocab_size = logits.shape[-1]
+        allowed = self._next_mask(tokens, vocab_size)
+        masked = [_masked(logits[:1], allowed)]
+        for position, draft in enumerate(drafts, start=1):
+            if allowed is not None and not (draft < vocab_size and allowed[draft]):
+                break
+            self._drafted.append((self._matcher, self._pending, self.failure, self._consume(draft)))
+            allowed = self._allowed_now(vocab_size)
+            masked.append(_masked(logits[position : position + 1], allowed))
+        num_allowed = len(masked) - 1
+        return mx.concatenate([*masked, logits[num_allowed + 1 :]]), num_allowed
+
+    def keep_drafts(self, num_kept: int) -> None:
+        """After `mask_drafts`: the first `num_kept` drafts stay consumed, the rest are taken back, so
+        the matcher is as it would be had only the tokens kept been decoded."""
+        assert num_kept <= len(self._drafted), "more drafts kept than the grammar allowed: the verify's bug"
+        for matcher, pending, failure, consumed in reversed(self._drafted[num_kept:]):
+            if consumed:
+                assert matcher is not None, "a draft consumed without a matcher: GrammarMatcher bug"
+                if not matcher.rollback(1):
+                    raise RuntimeError(f"the grammar could not take a draft back: {matcher.get_error()}")
+            self._matcher, self._pending, self.failure = matcher, pending, failure
+        self._drafted.clear()
+
+    def _next_mask(self, tokens: mx.array, vocab_size: int) -> np.ndarray | None:
         if self._num_calls:
             self._consume(int(tokens[-1].item()))  # type: ignore[arg-type]
         self._num_calls += 1
+        return self._allowed_now(vocab_size)
+
+    def _allowed_now(self, vocab_size: int) -> np.ndarray | None:
+        """The mask of the next token (None: free text, anything goes); notes a failure."""
         matcher = self._matcher
         if matcher is None:
-            return logits
-        vocab_size = logits.shape[-1]
+            return None
         if matcher.is_error():
             logger.error("grammar matcher failed ({}); ending the sequence", matcher.get_error())
             self.failure = f"the output format's matcher failed: {matcher.get_error()}"
@@ -168,7 +215,7 @@ class GrammarMatcher:
             allowed = _allowed(matcher, vocab_size)
             if _allows_only(allowed, self._eos_token_ids) and not matcher.is_accepting():
                 self.failure = "the output format allows no token that continues the reply"
-        return mx.where(mx.array(allowed), logits, mx.array(-np.inf, dtype=logits.dtype))
+        return allowed
 
     def check_complete(self) -> None:
         """Raises IncompleteOutputError where the reply ended because the grammar could not go on;
@@ -178,24 +225,33 @@ class GrammarMatcher:
                 f"the reply stopped before its output format was complete: {self.failure}"
             )
 
-    def _consume(self, token: int) -> None:
+    def _consume(self, token: int) -> bool:
+        """Feeds `token` to the grammar; returns whether the matcher that was current consumed it."""
         matcher, trigger = self._matcher, self._trigger
         if matcher is not None:
-            if not matcher.is_stopped():
+            consumed = not matcher.is_stopped()
+            if consumed:
                 matcher.consume_token(token)
             if trigger is not None and matcher.is_accepting():
                 self._matcher = None  # the call is closed: free text again
-            return
+            return consumed
         assert trigger is not None, "a matcher without a trigger is never idle: GrammarMatcher bug"
         self._pending += self._tokenizer.decode_bytes([token])
         at = self._pending.find(trigger)
         if at < 0:
             self._pending = self._pending[-len(trigger) :]
-            return
+            return False
         rest, self._pending = self._pending[at + len(trigger) :], b""
         self._matcher = self._template.deep_copy()
         if rest:  # the token that completed the trigger also began the call
             self._matcher.consume_tokens(self._tokenizer.tokenize_bytes(rest))
+        return False  # a new matcher: taking the token back drops it
+
+
+def _masked(logits: mx.array, allowed: np.ndarray | None) -> mx.array:
+    if allowed is None:
+        return logits
+    return mx.where(mx.array(allowed), logits, mx.array(-np.inf, dtype=logits.dtype))
 
 
 def _allowed(matcher: LLMatcher, vocab_size: int) -> np.ndarray:

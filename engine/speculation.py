@@ -3,31 +3,35 @@
 A sequence drafts from its own history (`ngram_drafts.py`: an agent rewriting a file, a diff or a
 tool's output repeats long runs of tokens already in its context) or with a small draft model of the
 same tokenizer (`model_drafts.py`). A decode step that checks k drafted tokens reads the weights
-once, so each accepted draft is a token nearly for free (`mlx_adapter/speculative_batch.py`
-verifies them in the batch's forward pass). A sequence drafts
-only where verifying keeps its reply exactly what it would have been: greedy, or sampled at a plain
-temperature (the rejection rule keeps the distribution), without logits processors (penalties, a
-grammar: they read every token's context as it is sampled) and without a seed (a seeded reply
-draws the same random numbers as without drafts). A step verifies only as wide as it pays: each
-width's expected tokens (every row's own, and the drafts each row can expect to keep, estimated
-from its verifies and from its drafter's guesses at the tokens being computed) over what a step of
-that width costs as the engine times it (`step_costs.py`), by a margin. On a GPU a wider step costs
-about what a one-token step does, so drafts are nearly always verified; on a CPU a wide verify costs
-more than a one-token step, so copies' drafts (most of them kept) are verified and free-form chat's
-wait, or ride a step that verifies anyway. The batch owns this and gives it to the generator's
-decode batch; it is read and changed on the engine thread only.
+once, so each accepted draft is a token nearly for free (`mlx_adapter/speculative_batch.py` verifies
+them in the batch's forward pass). A sequence drafts only where verifying keeps its reply exactly
+what it would have been: greedy, or sampled at a plain temperature (the rejection rule keeps the
+distribution), without logits processors (penalties: they read every token's context as it is
+sampled) but a grammar (each drafted position is masked as its grammar would mask it there, and the
+drafts rejected are taken back from the grammar), and without a seed (a seeded reply draws the same
+random numbers as without drafts). A step verifies only as wide as it pays: each width's expected
+tokens (every row's own, and the drafts each row can expect to keep, estimated from its verifies and
+from its drafter's guesses at the tokens being computed) over what a step of that width costs as the
+engine times it (`step_costs.py`), by a margin. On a GPU a wider step costs about what a one-token
+step does, so drafts are nearly always verified; on a CPU a wide verify costs more than a one-token
+step, so copies' drafts (most of them kept) are verified and free-form chat's wait, or ride a step
+that verifies anyway. The batch owns this and gives it to the generator's decode batch; it is read
+and changed on the engine thread only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from semantic.engine.model_drafts import ModelDrafter
 from semantic.engine.ngram_drafts import DraftLength, NgramDrafter
 from semantic.engine.sampling import SamplingParams
 from semantic.engine.step_costs import StepCosts
+
+if TYPE_CHECKING:
+    from semantic.engine.grammar import GrammarMatcher
 
 # A verify must promise (1 + MARGIN) times a one-token step's tokens per second. Every row pays for
 # a verify but keeps only its own drafts, and rows that started together finish with the one that
@@ -39,7 +43,8 @@ MOST_DRAFTED = 8  # per row and step: the widest verify a copy's drafts (nine in
 
 
 def drafts_keep_reply(sampling: SamplingParams, has_processors: bool) -> bool:
-    """Whether verifying drafts leaves a reply with these settings as it would be without them."""
+    """Whether verifying drafts leaves a reply with these settings as it would be without them
+    (`has_processors`: logits processors other than a grammar, which masks each draft's position)."""
     if has_processors or sampling.seed is not None:
         return False
     if sampling.is_greedy:
@@ -76,6 +81,7 @@ class Drafting:
     drafter: Drafter
     length: DraftLength
     temperature: float  # 0: greedy
+    grammar: GrammarMatcher | None = None  # its logits' mask, applied at every position verified
     guess: int | None = None  # the drafter's guess at the token being computed, until it is fed
     num_drafted: int = 0
     num_accepted: int = 0
@@ -105,13 +111,21 @@ class Speculation:
         self.num_drafted = 0  # over the batch's life: verify steps' drafts and accepted drafts
         self.num_accepted = 0
 
-    def add(self, uid: int, prompt: Sequence[int], sampling: SamplingParams, has_processors: bool) -> None:
-        """A sequence joins the batch with `prompt` in its cache (all of it, once prefilled)."""
+    def add(
+        self,
+        uid: int,
+        prompt: Sequence[int],
+        sampling: SamplingParams,
+        has_processors: bool,
+        grammar: GrammarMatcher | None = None,
+    ) -> None:
+        """A sequence joins the batch with `prompt` in its cache (all of it, once prefilled);
+        `has_processors`: logits processors besides its `grammar`."""
         if not drafts_keep_reply(sampling, has_processors):
             return
         assert sampling.temperature is not None
         length = DraftLength(start=min(4, self._most), most=self._most)
-        self._by_uid[uid] = Drafting(self._make_drafter(prompt), length, sampling.temperature)
+        self._by_uid[uid] = Drafting(self._make_drafter(prompt), length, sampling.temperature, grammar)
 
     def remove(self, uid: int) -> tuple[int, int]:
         """A sequence leaves; returns its drafted and accepted counts."""

@@ -7,7 +7,10 @@ weights once, as a one-token step does. Each row then keeps the drafts its own l
 greedy rows the leading drafts that are the argmax, sampled rows by the standard rejection rule
 (a draft x is kept with probability p(x), a rejected one replaced by a draw from p without x), so a
 reply is what it would have been without drafts. Every row also gets its next token from the
-position after its last kept one, as from a one-token step.
+position after its last kept one, as from a one-token step. A row with a grammar (its only logits
+processor) drafts only what the grammar allows, and its logits at each position are masked as the
+grammar masks them after the tokens before it; the drafts rejected are then taken back from the
+grammar (`GrammarMatcher.mask_drafts`, `keep_drafts`).
 
 mlx-lm's batch cache holds every row right-aligned at one shared write index, so rows that kept
 different numbers of tokens cannot all end there: the cache is trimmed by what every row rejected
@@ -97,7 +100,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         if width == 1:
             return None
         most = width - 1
-        drafts = [[] if row is None else row[0].drafter.propose(row[2], min(row[1], most)) for row in rows]
+        drafts = [[] if row is None else _proposed(row[0], row[2], min(row[1], most)) for row in rows]
         offers = [(row[0].length, len(d)) for row, d in zip(rows, drafts, strict=True) if row is not None]
         width = speculation.width_worth(len(self.uids), offers)  # a lookup may find fewer than offered
         return None if width == 1 else [d[: width - 1] for d in drafts]
@@ -109,6 +112,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         padded = mx.array([[*d, *[0] * (width - 1 - len(d))] for d in drafts], dtype=self._next_tokens.dtype)
         inputs = mx.concatenate([self._next_tokens[:, None], padded], axis=1)  # padding: never kept
         logits = self.model(inputs, cache=self.prompt_cache)  # (B, width, vocab)
+        logits, guided = self._guide(logits, inputs, drafts)
         # Evaluated only where a request asks for log-probabilities: a logsumexp over the vocabulary
         # at every position is a large part of a wide verify's time on the CPU.
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -130,7 +134,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 scaled = row_logprobs * (1.0 / drafting.temperature)
                 num_kept, token = keep_sampled(row_drafts, scaled)
             else:
-                token, row_logprobs = self._sample_alone(index, inputs[index, :1], logits[index, :1])
+                pending_token, processed = inputs[index, :1], index in guided
+                token, row_logprobs = self._sample_alone(index, pending_token, logits[index, :1], processed)
                 num_kept = 0
             kept.append(num_kept)
             next_tokens.append(token)
@@ -152,10 +157,43 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self._next_logprobs = next_logprobs
         return self._respond(fed, fed_logprobs)
 
-    def _sample_alone(self, index: int, token: mx.array, logits: mx.array) -> tuple[int, mx.array]:
-        """A row without drafts: its next token as mlx-lm's step samples it (its processors, then its
-        sampler) from the logits at its pending token."""
+    def _guide(
+        self, logits: mx.array, inputs: mx.array, drafts: list[list[int]]
+    ) -> tuple[mx.array, set[int]]:
+        """Each drafting row with a grammar: its logits masked at every position as its grammar masks
+        them, its drafts cut at the first the grammar refuses (`GrammarMatcher.mask_drafts`)."""
+        assert self.speculation is not None
+        masked: dict[int, mx.array] = {}
+        for index, uid in enumerate(self.uids):
+            drafting = self.speculation.get(uid)
+            if drafting is None or drafting.grammar is None:
+                continue
+            if not masked:
+                mx.async_eval(logits)  # the forward pass runs while the masks are computed
+            context = self._token_context[index].update_and_fetch(inputs[index, :1])
+            masked[index], num_allowed = drafting.grammar.mask_drafts(context, logits[index], drafts[index])
+            del drafts[index][num_allowed:]
+        if not masked:
+            return logits, set()
+        return mx.stack([masked.get(index, logits[index]) for index in range(len(self.uids))]), set(masked)
+
+    def _keep_grammar_drafts(self, index: int, uid: int, drafts: list[int]) -> None:
+        """A guided row's grammar and token context keep the drafts it answered, and only those."""
+        assert self.speculation is not None
+        drafting = self.speculation.get(uid)
+        if drafting is None or drafting.grammar is None:
+            return
+        drafting.grammar.keep_drafts(len(drafts))
+        if drafts:
+            self._token_context[index].update_and_fetch(mx.array(drafts))
+
+    def _sample_alone(
+        self, index: int, token: mx.array, logits: mx.array, processed: bool = False
+    ) -> tuple[int, mx.array]:
+        """A row without drafts: its next token as mlx-lm's step samples it (its processors, unless
+        the logits were `processed` already, then its sampler) from the logits at its pending token."""
         processors = (self.logits_processors[index] if self.logits_processors else None) or ()
+        processors = () if processed else processors
         if processors:
             context = self._token_context[index].update_and_fetch(token)
             for processor in processors:
@@ -186,6 +224,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
                     )
                     continue
                 unanswered = len(tokens) - 1 - position
+                self._keep_grammar_drafts(index, uid, tokens[1 : position + 1])
                 self.tokens[index].extend(tokens[: position + 1])
                 cache = self.extract_cache(index)
                 for layer in cache:
@@ -197,11 +236,21 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 )
                 break
             if finish_reason is None:
+                self._keep_grammar_drafts(index, uid, tokens[1:])
                 self.tokens[index].extend(tokens)
                 keep.append(index)
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
+
+
+def _proposed(drafting: Drafting, guess: int, k: int) -> list[int]:
+    """The drafter's k drafts after `guess` (its guess at the pending token), cut where the row's
+    grammar refuses them."""
+    drafts = drafting.drafter.propose(guess, k)
+    if drafting.grammar is None or not drafts:
+        return drafts
+    return drafts[: max(drafting.grammar.num_allowed([guess, *drafts]) - 1, 0)]
 
 
 def keep_greedy(drafts: list[int], best: list[int]) -> int:
