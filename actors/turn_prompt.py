@@ -66,6 +66,7 @@ async def build_request(
         cache_salt=turn.cache_salt,
         continues_text=prompt.is_raw or bool(turn.prefill),
         shared_head_tokens=prompt.shared_head_tokens,
+        generation_prompt_start=prompt.generation_prompt_start,
         cache_pins=block_aligned(prompt.cache_pins, loaded.spec.block_size),
     )
     if prompt.grammar is not None:

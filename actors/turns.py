@@ -139,6 +139,7 @@ class PreparedPrompt:
     is_raw: bool = False  # a completion of raw text or tokens: its reply is all plain text
     prefill: str = ""  # the client's start of the reply: read for a call it opens, never sent back
     shared_head_tokens: int = 0  # its leading system prompt and tools, which other agents may share
+    generation_prompt_start: int = 0  # where its generation prompt begins (0: unknown)
     cache_pins: tuple[CachePin, ...] = ()  # the prompt's cache_control breakpoints, as token counts
 
 
@@ -213,6 +214,9 @@ def prepare_stateless(
         token_ids, prefix, parses_tools, text[-512:], stop_after_call, grammar,
         tool_format=chat.tool_format, tools=turn.tools, prefill=turn.prefill,
         shared_head_tokens=chat.head_length(turn.messages, turn.tools, text, token_ids, salt),
+        generation_prompt_start=chat.generation_prompt_start(
+            turn.messages, turn.tools, text, token_ids, salt
+        ),
         cache_pins=prompt_pins(chat, turn.messages, turn.tools, breakpoints, text, token_ids, salt),
     )  # fmt: skip
 

@@ -171,8 +171,8 @@ class Batch:
         model's state, a sliding model's windows) for other agents: the last block boundary of its
         shared head (the system prompt and tools) and, for an agent new to the cache, the end of the
         blocks other agents' prompts already share with it and its prompt's last full block (the
-        next agent to share them, or to repeat the prompt, resumes there); and the agent's own,
-        before the prompt's last token. None for a model of full-attention layers only."""
+        next agent to share them, or to repeat the prompt, resumes there); and the agent's own
+        (`request.own_point`). None for a model of full-attention layers only."""
         spec = self._loaded.spec
         if not spec.has_state_layers and not spec.has_sliding_layers:
             return []
@@ -186,9 +186,9 @@ class Batch:
             last_block = (len(prompt) - 1) // size
             if last_block >= self._store.num_blocks_per_point:
                 positions.add(last_block * size)
-        # Where the prompt ends but for its last token: a template that re-renders the reply may
-        # tokenize that token (the generation prompt's newline, say) together with the reply's.
-        positions.add(len(prompt) - 1)
+        # Where its generation prompt begins (or else before its last token): a template that
+        # re-renders the reply rewrites what follows, a reasoning header or the header's newline.
+        positions.add(request.own_point)
         return sorted(p for p in positions if num_cached < p <= len(prompt) - 1)
 
     def _insert(

@@ -8,8 +8,9 @@ tick's events to be posted: reading a cache waits for the step MLX already queue
 token should not.
 
 A model with recurrent layers cannot resume anywhere else than where their state was kept: the
-keeper keeps it where a prompt ends (the agent's next turn may not continue its reply token for
-token), with a sliding model's windows there, and where its prefill stopped at the end of a system
+keeper keeps it where a prompt's generation prompt begins (the agent's next turn may not continue
+its reply, or that header, token for token; `GenerationRequest.own_point`), with a sliding model's
+windows there, and where its prefill stopped at the end of a system
 prompt other agents share or a new agent's last full block (a segment end, `Batch.insert`), shared
 with them under that block's hash once its blocks are.
 """
@@ -81,7 +82,7 @@ class CacheKeeper:
             ]
             state = state_point_of(spec, caches, num_tokens)
             running.checkpoints.append(Checkpoint(num_tokens, state, runs))
-            if num_tokens == len(running.request.prompt_tokens) - 1:
+            if num_tokens == running.request.own_point:
                 # The agent's next turn may resume here: its sliding windows are kept with the point
                 # (the blocks keep only the window where the reply ends).
                 running.prompt_state = state_point_of(spec, caches, num_tokens, with_windows=True)

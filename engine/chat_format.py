@@ -6,7 +6,9 @@ Every protocol converts its wire messages to one form, the Hugging Face chat for
 them Hermes-style: the tool list in the system message, calls as `<tool_call>` JSON and results as
 `<tool_response>` user turns, which is also the form our tool-call parser reads back. Templates that
 render tools get them as they are, and the model's calls are read in its own format
-(`engine/tool_format.py`).
+(`engine/tool_format.py`). An assistant's reasoning, where the client sent it back, is its
+`reasoning_content`: the key the Qwen3, Qwen3.5 and GLM-4.6 templates read, each re-rendering the
+turns it chooses (gpt-oss reads `thinking`, which we do not set).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import secrets
 from typing import Any
 
+from semantic.engine.cache_matching import common_prefix_length
 from semantic.engine.prompt_encoding import SegmentEncoder
 from semantic.engine.tool_format import HERMES, detect_tool_format
 
@@ -109,6 +112,27 @@ class ChatFormat:
         head_ids = self.encode(head_text, scope)
         return len(head_ids) if token_ids[: len(head_ids)] == head_ids else 0
 
+    def generation_prompt_start(
+        self,
+        messages: list[ChatMessage],
+        tools: list[dict[str, Any]] | None,
+        text: str,
+        token_ids: list[int],
+        scope: str | None,
+    ) -> int:
+        """How many of `token_ids` (`text` encoded, rendered from `messages`) come before the
+        generation prompt (the assistant header the reply follows): a template that re-renders the
+        reply rewrites what follows, so the next prompt shares at least these. 0 where the messages
+        rendered without it are not the start of `text`."""
+        try:
+            bare = self.render(messages, tools, add_generation_prompt=False)
+        except ChatTemplateError:
+            return 0
+        if not bare or not text.startswith(bare) or len(bare) == len(text):
+            return 0
+        # Where a token spans the cut, the ids the two share end before it.
+        return common_prefix_length(self.encode(bare, scope), token_ids)
+
     def encode(self, text: str, scope: str | None) -> list[int]:
         """Token ids of rendered text; the template already wrote any BOS. `scope`: the turn's cache
         salt, which the encoder's cache is kept under (prompt_encoding.py)."""
@@ -185,6 +209,8 @@ def _hermes_messages(messages: list[ChatMessage], tools: list[dict[str, Any]] | 
             )
         else:
             out.append({"role": role, "content": message.get("content") or ""})
+        if message.get("reasoning_content"):  # an assistant's, for templates that re-render it
+            out[-1]["reasoning_content"] = message["reasoning_content"]
     if tools:
         listing = _TOOL_INSTRUCTIONS.format(tools="\n".join(json.dumps(tool) for tool in tools))
         if out and out[0]["role"] == "system":

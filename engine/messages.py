@@ -38,8 +38,20 @@ class GenerationRequest:
     # How many leading prompt tokens other agents' prompts are likely to share (the rendered system
     # prompt and tools): a model with recurrent layers keeps its state there for them (0: unknown).
     shared_head_tokens: int = 0
+    # Where the prompt's generation prompt (the assistant header) begins: templates rewrite what follows
+    # when they re-render the reply, so a model that cannot cut its cache back keeps its point for the
+    # agent's next turn there (0: unknown; then before the prompt's last token).
+    generation_prompt_start: int = 0
     # Anthropic `cache_control` breakpoints: leading prompt tokens (whole blocks) kept for a ttl.
     cache_pins: tuple[CachePin, ...] = ()
+
+    @property
+    def own_point(self) -> int:
+        """Where the agent's own point (recurrent states, sliding windows) is kept for its next turn:
+        the generation prompt's start where known, else the prompt's end but for its last token (a
+        re-rendered reply may tokenize that token, the header's newline say, with its own)."""
+        start, end = self.generation_prompt_start, len(self.prompt_tokens) - 1
+        return start if 0 < start < end else end
 
 
 @dataclass(slots=True)

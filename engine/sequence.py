@@ -40,7 +40,7 @@ class Sequence:
     prefill_offset: int = 0  # uncached prompt tokens already prefilled when it was last inserted
     # Where its prefill stops to keep what resuming there takes for other agents (segment ends: a
     # recurrent model's state, a sliding one's windows), what was kept there (`Checkpoint`s, shared
-    # once its blocks are), and a recurrent model's state where its prompt ended.
+    # once its blocks are), and the agent's own point (`GenerationRequest.own_point`).
     state_checkpoints: list[int] = field(default_factory=list)
     checkpoints: list[Checkpoint] = field(default_factory=list)
     prompt_state: StatePoint | None = None

@@ -50,6 +50,7 @@ class SubmitOp(msgspec.Struct, tag=True):
     grammar_trigger: str | None = None
     continues_text: bool = False  # the reply's text, and so where stop strings match, depends on it
     shared_head_tokens: int = 0  # where a recurrent model's prefill stops to keep its state
+    generation_prompt_start: int = 0  # where it stops to keep the agent's own state
 
 
 class CancelOp(msgspec.Struct, tag=True):
@@ -193,6 +194,7 @@ def _submit_op(request: GenerationRequest, queued_at: float) -> SubmitOp:
         grammar_trigger=grammar.trigger if grammar is not None else None,
         continues_text=request.continues_text,
         shared_head_tokens=request.shared_head_tokens,
+        generation_prompt_start=request.generation_prompt_start,
     )
 
 
@@ -212,4 +214,5 @@ def request_of(op: SubmitOp) -> GenerationRequest:
         cache_salt=op.cache_salt,
         continues_text=op.continues_text,
         shared_head_tokens=op.shared_head_tokens,
+        generation_prompt_start=op.generation_prompt_start,
     )
