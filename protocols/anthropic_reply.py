@@ -61,7 +61,7 @@ def new_id(prefix: str) -> str:
 
 
 def thinking_signature(thinking: str) -> str:
-    """An opaque signature for a thinking block (clients echo it back; we never replay reasoning)."""
+    """An opaque signature for a thinking block (clients echo it back with the block; it is not checked)."""
     return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
 
 

@@ -1,7 +1,8 @@
 """The Anthropic Messages request as Claude Code and the SDKs send it, and its conversion to a turn.
 
 What Claude Code sends is accepted as it is: system messages mid-conversation, tool results as
-strings or blocks, thinking blocks echoed back, and top-level fields we have no use for. Volatile
+strings or blocks, thinking blocks echoed back (an assistant message's `reasoning_content`, for the
+templates that re-render it), and top-level fields we have no use for. Volatile
 system lines (the per-request billing header) are dropped before rendering so consecutive turns
 share their cached prefix. `cache_control` on a system block, a tool or a content block becomes a
 breakpoint (a chat message and an offset in its content) whose prefix the engine keeps for its ttl.
@@ -183,6 +184,7 @@ def chat_and_breakpoints(body: MessagesRequest) -> tuple[list[ChatMessage], list
             chat.append({"role": message.role, "content": message.content})
             continue
         texts: list[str] = []
+        thoughts: list[str] = []  # thinking blocks: the message's `reasoning_content`
         calls: list[dict[str, Any]] = []
         marks: list[tuple[int, float]] = []  # breakpoints in this message's text: (offset, ttl_s)
         separator = "" if message.role == "assistant" else "\n\n"
@@ -214,14 +216,18 @@ def chat_and_breakpoints(body: MessagesRequest) -> tuple[list[ChatMessage], list
                     chat.append({"role": "tool", "tool_call_id": call_id, "content": result})
                 case ImageBlock() | DocumentBlock():
                     raise UnsupportedContentError(_NO_VISION)
-                case ThinkingBlock() | RedactedThinkingBlock():
-                    pass  # our models' reasoning is not replayed; keeps the prompt stable
+                case ThinkingBlock(thinking=thinking):
+                    thoughts.append(thinking)  # the template decides whether to re-render it
+                case RedactedThinkingBlock():
+                    pass  # encrypted text our models never wrote
         if message.role == "assistant":
             call_ids.update(call["id"] for call in calls)
             if texts or calls:
                 entry: ChatMessage = {"role": "assistant", "content": "".join(texts)}
                 if calls:
                     entry["tool_calls"] = calls
+                if any(thoughts):
+                    entry["reasoning_content"] = "".join(thoughts)
                 breakpoints += [(len(chat), offset, ttl_s) for offset, ttl_s in marks]
                 chat.append(entry)
         elif texts:

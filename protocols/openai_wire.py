@@ -43,6 +43,8 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # An assistant's reasoning as DeepSeek, Qwen and vLLM clients send it back: templates re-render it.
+    reasoning_content: str | None = None
 
 
 class FunctionSpec(msgspec.Struct):
@@ -137,6 +139,8 @@ def to_chat_messages(messages: list[ChatMessage]) -> list[TemplateMessage]:
             ]
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
+        if role == "assistant" and message.reasoning_content:
+            entry["reasoning_content"] = message.reasoning_content
         chat.append(entry)
     return chat
 
