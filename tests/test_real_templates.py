@@ -42,6 +42,7 @@ from tests.agent_api_client import _loaded
 from tests.arch_configs import ARCHITECTURES
 from tests.conformance_models import build_model, save_model_dir
 from tests.server_process import ServerProcess
+from tests.test_sliding_resume import logged_reuse
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 BLOCK = 16
@@ -272,6 +273,8 @@ def test_a_real_template_conversation_resumes_where_its_prompt_parts(
     finally:
         restarted.stop()
     run.turns = [summary(None, turns[0])] + [summary(p, t) for p, t in itertools.pairwise(turns)]
+    logged = [reused for reused, _ in logged_reuse(restarted, AGENT)]  # both servers' lines, one file
+    assert logged == [t.reused for t in turns], (family, logged, [t.cache for t in turns])
     assert turns[0].reused == 0, turns[0].cache
     for previous, current in itertools.pairwise(turns):
         assert current.reused >= expected_floor(previous, current), (family, current.tier, current.cache)
