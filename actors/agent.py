@@ -56,6 +56,8 @@ from semantic.engine.messages import Finished, FinishReason, GenerationRequest
 from semantic.engine.request_stream import RequestStream
 from semantic.storage.conversation_file import ConversationRecord
 
+Explained = tuple[CacheReport, RequestDigest | None]  # a turn's x-semantic-cache report, and its digest
+
 
 class AgentActor:
     def __init__(
@@ -277,22 +279,25 @@ class AgentActor:
         request: GenerationRequest,
         cache_salt: str | None,
         explaining: tuple[Any, ...],
-    ) -> tuple[RequestStream, RestoreDecision | None, tuple[CacheReport, RequestDigest | None]]:
+    ) -> tuple[RequestStream, RestoreDecision | None, Explained]:
         """Submit the turn, behind the agent's cache if that has to be read from disk (the engine
         thread takes its messages in order), then settle the restore's answer; with the restore's
         decision where one was made, and the turn explained (`explain_turn` of `explaining`) before
         the submit (headers go first), after the read (a restarted server's note is the file's)."""
-        restoring, decision = await self._send_cache_from_disk(session, request.request_id, cache_salt)
+        restoring, decision, explained = await self._send_cache_from_disk(
+            session, request.request_id, cache_salt, explaining
+        )
         try:
-            cache = await explain_turn(*explaining)
-            return self._engine.submit(request), decision, cache
+            if explained is None:  # no file read: explained from what the agent's notes hold
+                explained = await explain_turn(*explaining)
+            return self._engine.submit(request), decision, explained
         finally:
             if restoring is not None:
                 await self._settle_restore(session, restoring)
 
     async def _send_cache_from_disk(
-        self, session: ModelSession, request_id: str, cache_salt: str | None
-    ) -> tuple[asyncio.Future[bool] | None, RestoreDecision | None]:
+        self, session: ModelSession, request_id: str, cache_salt: str | None, explaining: tuple[Any, ...]
+    ) -> tuple[asyncio.Future[bool] | None, RestoreDecision | None, Explained | None]:
         """If the agent's cache is on disk and not in memory, and reading it is estimated cheaper
         than computing it (restore_cost.py), read it and send it to the engine; the answer comes
         later (`_settle_restore`), so the turn's submit follows without waiting for a tick to end:
@@ -300,17 +305,17 @@ class AgentActor:
         goes in without it and the engine prefills the history; the file stays, the agent's still."""
         persistence, agent_id = session.persistence, self.agent_id
         if persistence is None or agent_id is None:
-            return None, None
+            return None, None, None
         # Both read without a message (an ask waits for the engine thread's tick to end, seconds on
         # a CPU under load): whether the engine serves the turn's model, and holds its cache already.
         fingerprint, serving = session.loaded.fingerprint, self._engine.loaded
         if serving is None or serving.fingerprint != fingerprint:
-            return None, None  # another model was loaded meanwhile: no cache of this one to restore
+            return None, None, None  # another model was loaded meanwhile: no cache of this one to restore
         if self._engine.holds_cache(agent_id, fingerprint):
-            return None, None
+            return None, None, None
         on_disk = await persistence.describe_cache(agent_id)
         if on_disk is None:
-            return None, None
+            return None, None, None
         costs, stats = self._restore_costs, self._engine.stats
         reads = Totals(persistence.num_read_bytes, persistence.read_s_total)
         costs.learn(persistence, reads, stats.prefill_token_s)
@@ -324,18 +329,20 @@ class AgentActor:
             on_disk.num_bytes / 2**20,
         )
         if not decision.reads:
-            return None, decision
+            return None, decision, None
         cache = await persistence.load(agent_id)
         if cache is None:
-            return None, decision
+            return None, decision, None
         if self._cache_notes.note_of(agent_id) is None:  # a restart: the file holds the history
             history = history_of(cache.tensors["tokens"].tolist(), ())
             self._cache_notes.record(agent_id, TurnNote(fingerprint, history, None))
+        # Explained now, from the file's history, so that the submit follows the restore at once.
+        explained = await explain_turn(*explaining)
         try:
-            return self._engine.send(RestoreCache(cache, fingerprint, cache_salt)), decision
+            return self._engine.send(RestoreCache(cache, fingerprint, cache_salt)), decision, explained
         except EngineError as error:  # the engine stopping: the submit says so
             logger.info("agent {}: cache not restored ({})", agent_id, error)
-            return None, decision
+            return None, decision, explained
 
     async def _settle_restore(self, session: ModelSession, restoring: asyncio.Future[bool]) -> None:
         """The engine's answer to a restore: a file it could not take is quarantined; without room
