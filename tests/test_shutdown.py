@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from semantic.storage import cache_file
-from semantic.storage.cache_file import CacheIdentity, SerializedCache, read_cache_file
+from semantic.storage.cache_file import SerializedCache, read_cache_file
 from semantic.storage.persistence import PersistenceActor
 from tests.server_process import ServerProcess
+from tests.test_cache_file import IDENTITY, a_cache
 
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
 
@@ -117,14 +118,8 @@ def test_a_disk_that_fills_up_during_a_flush_is_reported_and_leaves_no_broken_fi
 ) -> None:  # type: ignore[no-untyped-def]
     import asyncio
 
-    import numpy as np
-
-    identity = CacheIdentity("m", "f" * 64, 256, {"layers": 1})
-    tokens, more_tokens = np.arange(256, dtype=np.int32), np.arange(512, dtype=np.int32)
-    tensors = {"k": np.ones((4, 256), dtype=np.float32), "v": np.zeros((4, 256), dtype=np.float32)}
-    tensors["tokens"] = tokens
-    newer = {"k": np.full((4, 256), 2, dtype=np.float32), "v": np.zeros((4, 256), dtype=np.float32)}
-    newer["tokens"] = more_tokens
+    identity = IDENTITY  # a model of one full-attention layer, 2 KV heads of 8
+    tensors, newer = a_cache(256).tensors, a_cache(512, seed=1).tensors
     disk_is_full = False
     real_save = cache_file.save_file
 
@@ -161,4 +156,4 @@ def test_a_disk_that_fills_up_during_a_flush_is_reported_and_leaves_no_broken_fi
     files = sorted(p.name for p in actor.agents_dir.iterdir())
     assert files == ["full.safetensors", "kept.safetensors"]  # no partial file, no temp file
     kept = read_cache_file(actor.path_for("full"), identity)  # the previous copy, still whole
-    assert kept.num_tokens == 256 and (kept.tensors["k"] == 1).all()
+    assert kept.num_tokens == 256 and (kept.tensors["attn.0.keys"] == tensors["attn.0.keys"]).all()

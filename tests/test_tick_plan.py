@@ -35,6 +35,7 @@ from semantic.engine.messages import EventChannel, GenerationRequest
 from semantic.engine.sampling import SamplingParams
 from semantic.storage.cache_file import CacheFileError, CacheIdentity, read_cache_file, write_cache_file
 from tests.server_process import ROOT
+from tests.test_cache_file import SPEC, a_cache
 
 texts = st.text(max_size=20)
 maybe_texts = st.none() | texts
@@ -175,15 +176,15 @@ def test_tensor_parallel_refuses_head_counts_the_group_cannot_split(tmp_path: Pa
 
 
 def test_a_shard_of_another_layout_is_refused(tmp_path: Path) -> None:
-    cache = SerializedCache("ada", {"tokens": np.array([1, 2], dtype=np.int32)}, [], 2)
-    identity = CacheIdentity("m", "fp", 256, {"num_layers": 1}, 100, "tensor rank 1 of 2")
-    path = tmp_path / "ada.safetensors"
+    cache = a_cache(2)  # agent-1's, of test_cache_file's one-layer model
+    identity = CacheIdentity("m", "fp", 256, SPEC, 1000, "tensor rank 1 of 2")
+    path = tmp_path / "agent-1.safetensors"
     write_cache_file(path, cache, identity)
-    assert read_cache_file(path, identity, "ada").num_tokens == 2
+    assert read_cache_file(path, identity, "agent-1").num_tokens == 2
     for layout in ("tensor rank 0 of 2", "tensor rank 1 of 3", ""):
-        other = CacheIdentity("m", "fp", 256, {"num_layers": 1}, 100, layout)
+        other = CacheIdentity("m", "fp", 256, SPEC, 1000, layout)
         with pytest.raises(CacheFileError, match="written by tensor rank 1 of 2"):
-            read_cache_file(path, other, "ada")
+            read_cache_file(path, other, "agent-1")
 
 
 def test_the_backend_is_named_from_the_launchers_environment() -> None:

@@ -26,7 +26,7 @@ from semantic.storage.agents_folder import CONVERSATION_SUFFIX
 from semantic.storage.cache_file import CacheIdentity, write_cache_file
 from semantic.storage.conversation_file import ConversationRecord
 from semantic.storage.persistence import PersistenceActor
-from tests.test_cache_file import a_cache
+from tests.test_cache_file import SPEC, a_cache
 from tests.tiny_models import build_tiny_model
 
 MIB = 1 << 20
@@ -200,7 +200,7 @@ def test_a_corrupt_or_foreign_digests_file_counts_as_empty(
 
 
 def identity(fingerprint: str) -> CacheIdentity:
-    return CacheIdentity("tiny-llama", fingerprint, 256, {"num_layers": 1}, vocab_size=1000)
+    return CacheIdentity("tiny-llama", fingerprint, 256, SPEC, vocab_size=1000)  # a_cache()'s layout
 
 
 def run_actor(
