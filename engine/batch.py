@@ -323,9 +323,7 @@ class Batch:
         suspects = [uid for uid, sequence in self.running.items() if sequence.is_prefilling]
         spec = self._loaded.spec
         if not suspects:
-            if self.speculation is not None:
-                self.speculation.clear()
-            self.running.fail_all(error)
+            self._fail_running(error)
             return
         for uid in suspects:
             self._stop_drafting(uid)
@@ -334,9 +332,7 @@ class Batch:
             self.running.fail(sequence, cause)
             self._store.drop(sequence.agent_id)
         if spec.has_sliding_layers or spec.has_state_layers:
-            if self.speculation is not None:
-                self.speculation.clear()
-            self.running.fail_all(error)
+            self._fail_running(error)
             return
         for uid in self.running.uids():
             self._rejoin(failed_generator, uid, error)
@@ -413,6 +409,11 @@ class Batch:
         """End every running sequence with `error`; returns how many there were."""
         if self.running:
             self._generator.remove(self.running.uids())
+        return self._fail_running(error)
+
+    def _fail_running(self, error: BaseException) -> int:
+        """End every running sequence with `error`, their drafting with them (the generator's rows
+        are the caller's to remove, or already gone with a failed generator)."""
         if self.speculation is not None:
             self.speculation.clear()
         return self.running.fail_all(error)

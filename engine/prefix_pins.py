@@ -131,7 +131,7 @@ class PrefixPins:
         """The held pins in the order the pool's pressure lets them go: always the least recently
         pinned of the owner holding the most blocks, so one tenant's load on the pool costs another
         tenant's pins only once that tenant holds no less than the first."""
-        remaining = OrderedDict((key, pin) for key, pin in self.held.items())
+        remaining = OrderedDict(self.held)
         order: list[BlockHash] = []
         while remaining:
             owners = {pin.owner for pin in remaining.values()}
