@@ -33,7 +33,7 @@ claude-code:
 lint:
     {{venv}}/bin/ruff check .
     {{venv}}/bin/ruff format --check .
-    {{venv}}/bin/mypy
+    {{py}} scripts/typecheck.py
     {{venv}}/bin/mkdocs build --strict --quiet
 
 # Reformat the code.

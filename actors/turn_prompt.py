@@ -6,6 +6,7 @@ from __future__ import annotations
 from loguru import logger
 from msgspec.structs import replace
 
+from semantic.actors.heap import give_memory_back
 from semantic.actors.model_session import ModelSession
 from semantic.actors.models import ModelHost
 from semantic.actors.turns import (
@@ -20,7 +21,6 @@ from semantic.actors.turns import (
 from semantic.engine.cache_pins import block_aligned
 from semantic.engine.grammar import GrammarError, GrammarMatcher
 from semantic.engine.messages import GenerationRequest
-from semantic.heap import give_memory_back
 from semantic.storage.conversation_file import ConversationRecord
 
 LARGE_PROMPT_TOKENS = 100_000  # past this, the tokenizer's memory is handed back after each prompt

@@ -41,8 +41,8 @@ from typing import Any
 import aiohttp
 
 from bench.common import write_results
+from semantic.actors.heap import HEAP_TRIM_IDLE_S
 from semantic.engine.default_model import ensure_default_model
-from semantic.heap import HEAP_TRIM_IDLE_S
 from tests.server_process import ServerProcess
 
 NUM_AGENTS = 24

@@ -18,9 +18,9 @@ from typing import Literal
 
 import msgspec
 
-from semantic.launch import FAST_BLAS_MARKER
-
 DeviceKind = Literal["cpu", "metal", "cuda"]
+# Set in the environment by the launcher (semantic/launch.py) once OpenBLAS is preloaded.
+FAST_BLAS_MARKER = "SEMANTIC_FAST_BLAS"
 # "off", "ngram" (drafts from each reply's own history) or a draft model, named as `--model` is.
 Speculate = str
 
@@ -63,7 +63,7 @@ class BackendProfile(msgspec.Struct, frozen=True, kw_only=True):
     prefill_batch_size: int
     prefill_step_size: int
     short_turn_tokens: int
-    heap_reserve_mb: int  # faulted in before the server listens (semantic/heap.py); Linux CPU only
+    heap_reserve_mb: int  # faulted in before the server listens (actors/heap.py); Linux CPU only
     fast_blas: bool  # OpenBLAS preloaded by the launcher (semantic/launch.py): read, not chosen here
 
     @property

@@ -11,9 +11,9 @@ import msgspec
 from aiohttp import web
 from loguru import logger
 
+from semantic.actors.heap import give_memory_back_when_idle, keep_heap_ready
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.config import Settings
-from semantic.heap import give_memory_back_when_idle, keep_heap_ready
 from semantic.protocols import admin, agents, anthropic, completions, model_cards, openai, openapi
 from semantic.protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY, SYSTEM_KEY
 from semantic.protocols.connections import body_in_time, requests_in_connection
@@ -73,7 +73,7 @@ def create_app(config: SystemConfig, settings: Settings | None = None) -> web.Ap
         started = time.monotonic()
         system = app[SYSTEM_KEY]
         await system.start()
-        # The heap faulted in ahead of the turns (semantic/heap.py): on the CPU only, where the
+        # The heap faulted in ahead of the turns (actors/heap.py): on the CPU only, where the
         # arrays live on this heap (the backend profile says so).
         reserve_bytes = config.engine.profile.heap_reserve_mb << 20
         if await asyncio.get_running_loop().run_in_executor(None, keep_heap_ready, reserve_bytes):

@@ -37,10 +37,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
+from semantic.engine.backend_profile import FAST_BLAS_MARKER
+
 Backend = Literal["cpu", "metal", "cuda"]
 LaunchDevice = Literal["cpu", "gpu"]
 
-FAST_BLAS_MARKER = "SEMANTIC_FAST_BLAS"  # set in the environment once OpenBLAS is preloaded
 _OPT_OUT = "SEMANTIC_NO_FAST_BLAS"
 # One arena: glibc gives other threads arenas of 64 MB heaps that map and unmap what outgrows them,
 # so on the engine thread (not the main one) those arrays paid the page faults all the same.

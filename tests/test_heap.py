@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from semantic import heap
+from semantic.actors import heap
 from semantic.launch import MALLOC_TUNING
 
 RESERVE = 64 << 20
 SHOW_RSS = """
 import sys
-from semantic.heap import keep_heap_ready, give_memory_back
+from semantic.actors.heap import keep_heap_ready, give_memory_back
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 before = rss()

@@ -1,4 +1,6 @@
-"""The built wheel, installed (not editable) into a fresh venv, is one package, `semantic`, typed.
+"""One package, `semantic`, each module at one path: the checkout holds no links, the editable install
+imports every module from its folder in the checkout, and the built wheel, installed (not editable)
+into a fresh venv, is that package, typed.
 
 Everything runs from a directory outside the checkout with PYTHONPATH cleared, so nothing can be
 picked up from the source tree: the wheel holds only `semantic` (engine/, actors/, protocols/ and
@@ -26,6 +28,9 @@ from typing import Any
 import pytest
 
 from tests.server_process import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from typecheck import package_sources
 
 FOLDERS = ("engine", "actors", "protocols", "storage")
 PUBLIC_API = ("AgentSystem", "SystemConfig", "SamplingParams")
@@ -78,13 +83,13 @@ def outside(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A snapshot of the checkout (links kept as links) without build outputs or caches.
+    """A snapshot of the checkout without build outputs or caches.
 
     Building in place would write build/ and *.egg-info into the checkout, and setuptools would pack
     whatever stale files an earlier build left in build/lib; a clean copy gives neither.
     """
     snapshot = tmp_path_factory.mktemp("source") / "semantic-src"
-    shutil.copytree(ROOT, snapshot, symlinks=True, ignore=_snapshot_ignore)
+    shutil.copytree(ROOT, snapshot, ignore=_snapshot_ignore)
     return snapshot
 
 
@@ -307,3 +312,40 @@ def test_the_semantic_command_of_the_installed_wheel_runs(venv: Venv, outside: P
     probe = "import importlib.metadata as m, semantic; print(m.version('semantic-mlx'), semantic.__file__)"
     installed, file = _run([venv.python, "-c", probe], outside, "metadata probe").stdout.split()
     assert installed == __version__ and _inside(file, venv.site_packages)
+
+
+def test_the_checkout_holds_no_links() -> None:
+    tracked = subprocess.run(["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True)
+    links = [line.split("\t")[-1] for line in tracked.stdout.splitlines() if line.startswith("120000")]
+    assert links == [], f"symbolic links in the repository: {links}"
+    for folder in (*FOLDERS, "semantic"):
+        found = [path for path in (ROOT / folder).rglob("*") if path.is_symlink()]
+        assert found == [], f"symbolic links under {folder}/: {found}"
+
+
+EDITABLE_PROBE = """
+import importlib, json, sys
+print(json.dumps({module: importlib.import_module(module).__file__ for module in sys.argv[1:]}))
+"""
+
+
+def test_the_editable_install_imports_every_module_from_its_one_path(outside: Path) -> None:
+    """This venv's `pip install -e .`, from outside the checkout: every module the build maps is read
+    from its own file in the checkout, the layers from their top-level folders."""
+    sources = package_sources()
+    assert {source.module for source in sources} >= {"semantic.engine.batch", "semantic.cli"}
+    script = outside / "probe_editable.py"
+    script.write_text(EDITABLE_PROBE)
+    env = {**_clean_env(), "SEMANTIC_NO_FAST_BLAS": "1"}
+    proc = subprocess.run(
+        [sys.executable, script, *(source.module for source in sources)],
+        cwd=outside, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    files = json.loads(proc.stdout.strip().splitlines()[-1])
+    wrong = {
+        source.module: files[source.module]
+        for source in sources
+        if Path(files[source.module]) != ROOT / str(source.path)
+    }
+    assert wrong == {}, f"modules not imported from their one path in the checkout: {wrong}"

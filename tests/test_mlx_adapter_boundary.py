@@ -6,8 +6,8 @@ class, or imports mlx-lm at all beyond the public names allowed below."""
 from __future__ import annotations
 
 import ast
-import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,8 +15,10 @@ import mlx_lm
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "semantic"
-ADAPTER = PACKAGE / "engine" / "mlx_adapter"
+ADAPTER = ROOT / "engine" / "mlx_adapter"
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from typecheck import package_sources  # noqa: E402  (the build's package mapping)
 
 # The mlx-lm names a module outside the adapter may import, each with why it does not go through the
 # adapter (the engine's own uses all do, via `mlx_adapter.api`). For `import mlx_lm` the name is the
@@ -149,21 +151,17 @@ def _uses(node: ast.AST, bound: dict[str, str | None]) -> list[Violation]:
 
 
 def modules_outside_the_adapter() -> list[Path]:
-    """Every module of `semantic/`, through its symlinked folders, but the adapter's."""
-    paths: list[Path] = []
-    for folder, _, files in os.walk(PACKAGE, followlinks=True):
-        if Path(folder).resolve().is_relative_to(ADAPTER.resolve()):
-            continue
-        paths.extend(Path(folder) / name for name in files if name.endswith(".py"))
-    return sorted(paths)
+    """Every module of the `semantic` package, as the build maps it, but the adapter's."""
+    paths = [ROOT / source.path for source in package_sources() if source.path]
+    return sorted(path for path in paths if not path.is_relative_to(ADAPTER))
 
 
 def test_nothing_outside_the_adapter_reaches_into_mlx_lm() -> None:
     paths = modules_outside_the_adapter()
-    scanned = {path.relative_to(PACKAGE).parts[0] for path in paths}
-    assert {"engine", "actors", "protocols", "storage", "cli.py"} <= scanned  # the symlinks were followed
+    scanned = {path.relative_to(ROOT).parts[0] for path in paths}
+    assert scanned == {"engine", "actors", "protocols", "storage", "semantic"}
     report = [
-        f"{path.relative_to(PACKAGE)}:{violation.line}: {violation.what}"
+        f"{path.relative_to(ROOT)}:{violation.line}: {violation.what}"
         for path in paths
         for violation in violations(path.read_text())
     ]
