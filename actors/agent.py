@@ -22,7 +22,6 @@ from typing import Any
 
 from loguru import logger
 
-from semantic.actors.agent_id import AgentId
 from semantic.actors.agent_messages import (
     AgentDeletedError,
     AgentExistsError,
@@ -54,6 +53,7 @@ from semantic.engine.errors import EngineError, LibraryPanic, UnsteppableCacheEr
 from semantic.engine.mailbox import Envelope, Mailbox, reply_to
 from semantic.engine.messages import Finished, FinishReason, GenerationRequest
 from semantic.engine.request_stream import RequestStream
+from semantic.storage.agent_id import AgentId
 from semantic.storage.conversation_file import ConversationRecord
 
 Explained = tuple[CacheReport, RequestDigest | None]  # a turn's x-semantic-cache report, and its digest

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
-from semantic.actors.agent_id import AgentId
 from semantic.actors.cache_miss import (
     CacheReport,
     Reason,
@@ -23,6 +22,7 @@ from semantic.actors.cache_miss import (
 from semantic.actors.model_session import ModelSession
 from semantic.actors.models import ModelHost
 from semantic.actors.turns import PreparedPrompt, TurnRequest
+from semantic.storage.agent_id import AgentId
 
 MAX_AGENTS = 4096
 MAX_HISTORY_TOKENS = 8_000_000  # 32 MiB of token ids over all agents' notes; the oldest go first

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from semantic.actors.agent_id import AgentId
 from semantic.actors.turns import TurnRequest
 from semantic.engine.messages import Finished, PromptStarted, TokenDelta
 from semantic.engine.sampling import SamplingParams
+from semantic.storage.agent_id import AgentId
 
 if TYPE_CHECKING:
     from semantic.actors.system import AgentSystem

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from semantic.actors.agent_id import AgentId
+from semantic.storage.agent_id import AgentId
 
 # Tokens at the end of a prompt that the next turn may render differently (the generation prompt).
 NUM_GENERATION_PROMPT_TOKENS = 16

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 
-from semantic.actors.agent_id import AgentId
 from semantic.actors.model_session import ModelSession
 from semantic.actors.turns import PreparedPrompt
 from semantic.engine.messages import Finished, FinishReason
+from semantic.storage.agent_id import AgentId
 from semantic.storage.conversation_file import ConversationRecord
 
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from semantic.actors.agent import AgentActor
-from semantic.actors.agent_id import AgentId
 from semantic.actors.agent_messages import EvictCache, IfExists, OpenConversation, StartTurn
 from semantic.actors.cache_notes import CacheNotes
 from semantic.actors.handle import AgentHandle
@@ -28,6 +27,7 @@ from semantic.engine.commands import ListCaches
 from semantic.engine.default_model import user_cache_dir
 from semantic.engine.engine import Engine, EngineConfig
 from semantic.engine.registry import ModelEntry, ModelRegistry
+from semantic.storage.agent_id import AgentId
 
 
 @dataclass(frozen=True, slots=True)

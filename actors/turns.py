@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from semantic.actors.agent_id import AgentId
 from semantic.actors.cache_miss import CacheReport
 from semantic.actors.restore_cost import RestoreDecision
 from semantic.engine.cache_pins import CacheBreakpoint, CachePin, prompt_pins
@@ -27,6 +26,7 @@ from semantic.engine.loading import LoadedModel
 from semantic.engine.request_stream import RequestStream
 from semantic.engine.sampling import SamplingParams
 from semantic.engine.tool_format import HERMES, ToolFormat
+from semantic.storage.agent_id import AgentId
 
 
 class UnsupportedContentError(ValueError):

@@ -7,7 +7,7 @@ import dataclasses
 import msgspec
 from aiohttp import web
 
-from semantic import UnknownModelError
+from semantic.actors.interface import UnknownModelError
 from semantic.actors.model_session import ModelLoadError, ModelUnavailableError, SwapReport
 from semantic.protocols.common import SYSTEM_KEY
 from semantic.protocols.errors import agent_error

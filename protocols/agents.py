@@ -19,9 +19,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from semantic import Finished, PromptStarted
-from semantic.actors.agent_id import AgentId
 from semantic.actors.agent_messages import AgentExistsError
+from semantic.actors.interface import AgentId, Finished, PromptStarted
 from semantic.actors.system import AgentInfo
 from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.protocols.common import GATE_KEY, SYSTEM_KEY, SseWriter, json_response

@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from semantic import PromptTooLongError
+from semantic.actors.interface import PromptTooLongError
 from semantic.actors.turns import PromptLimitError, TurnRequest, TurnStarted, UnsupportedContentError
 from semantic.protocols.anthropic_reply import MessageReply, MessageStream, new_id
 from semantic.protocols.anthropic_wire import (

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from semantic import Finished, FinishReason, PromptStarted
+from semantic.actors.interface import Finished, FinishReason, PromptStarted
 from semantic.actors.turns import TurnStarted
 from semantic.protocols.common import SseWriter
 from semantic.protocols.errors import ApiError

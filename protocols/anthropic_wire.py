@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from semantic import ChatMessage
+from semantic.actors.interface import ChatMessage
 from semantic.actors.turns import ToolChoice as TurnToolChoice
 from semantic.actors.turns import UnsupportedContentError
 from semantic.protocols.tenancy import CacheSalt

@@ -12,8 +12,8 @@ from aiohttp import web
 from loguru import logger
 
 from semantic.actors.heap import give_memory_back_when_idle, keep_heap_ready
+from semantic.actors.interface import ServerView
 from semantic.actors.system import AgentSystem, SystemConfig
-from semantic.config import Settings
 from semantic.protocols import admin, agents, anthropic, completions, model_cards, openai, openapi
 from semantic.protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY, SYSTEM_KEY
 from semantic.protocols.connections import body_in_time, requests_in_connection
@@ -21,6 +21,7 @@ from semantic.protocols.errors import errors_in_protocol_shape
 from semantic.protocols.guard import Gate
 from semantic.protocols.metrics import Metrics
 from semantic.protocols.observe import add_request_id_header, observed
+from semantic.protocols.settings import Settings
 
 STARTED_KEY = web.AppKey("started", dict[str, float])
 
@@ -41,14 +42,15 @@ async def health_ready(request: web.Request) -> web.Response:
         return web.json_response(
             {"status": "unavailable", "reason": "shutting down"}, status=503, headers={"Retry-After": "5"}
         )
-    if not system.engine.is_running:
+    view = ServerView(system)
+    if not view.engine_running:
         return web.json_response({"status": "unavailable", "reason": "engine not running"}, status=503)
     if system.models.is_switching:
         target = system.models.transition_target
         reason = f"switching the model to {target}" if target else "unloading the model"
         return web.json_response({"status": "unavailable", "reason": reason}, status=503)
-    group = system.engine.group_report()
-    extra: dict[str, object] = {"backend": msgspec.to_builtins(system.config.engine.profile)}
+    group = view.group_report()
+    extra: dict[str, object] = {"backend": msgspec.to_builtins(view.backend_profile)}
     if group is not None:
         extra["group"] = group
     if system.models.entry is None:  # unloaded while idle: the next request loads it again

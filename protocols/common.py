@@ -11,9 +11,9 @@ import msgspec
 from aiohttp import web
 
 from semantic.actors.system import AgentSystem
-from semantic.config import Settings
 from semantic.protocols.guard import Gate
 from semantic.protocols.metrics import Metrics
+from semantic.protocols.settings import Settings
 
 SYSTEM_KEY = web.AppKey("system", AgentSystem)
 SETTINGS_KEY = web.AppKey("settings", Settings)

@@ -14,7 +14,7 @@ from typing import Literal
 import msgspec
 from aiohttp import web
 
-from semantic import MAX_TOP_LOGPROBS, Finished, TokenLogprob
+from semantic.actors.interface import MAX_TOP_LOGPROBS, Finished, TokenLogprob
 from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.protocols.errors import ApiError
 from semantic.protocols.openai import PING_FRAME

@@ -25,9 +25,9 @@ from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 from loguru import logger
 
-from semantic.config import ServerSection
 from semantic.protocols.common import SETTINGS_KEY
 from semantic.protocols.errors import api_error_response, as_api_error, error_response
+from semantic.protocols.settings import ServerSection
 
 # Descriptors kept back from connections: model and cache files, the tokenizer workers' pipes, the
 # log, the event loop and thread pools need some while every connection is open.

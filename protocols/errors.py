@@ -13,8 +13,8 @@ from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 from loguru import logger
 
-from semantic import EngineError, PersistenceStoppedError, UnknownModelError
 from semantic.actors.agent_messages import AgentDeletedError, AgentStoppedError, MailboxFullError
+from semantic.actors.interface import EngineError, PersistenceStoppedError, UnknownModelError
 from semantic.actors.model_session import ModelSwitchForbiddenError, ModelUnavailableError
 
 _encode = msgspec.json.Encoder().encode

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from semantic.actors.agent_id import AgentId
-from semantic.config import Settings
+from semantic.actors.interface import AgentId
 from semantic.protocols.errors import Overloaded, RateLimited, ShuttingDown
+from semantic.protocols.settings import Settings
 from semantic.protocols.tenancy import TENANT_KEY, Tenancy
 
 OPEN_PATHS = ("/health/",)  # answered without an API key and during shutdown

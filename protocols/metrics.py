@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 from prometheus_client.registry import Collector
 
 from semantic.actors.cache_miss import Reason
+from semantic.actors.interface import ServerView
 from semantic.actors.system import AgentSystem
 from semantic.protocols.tenancy import require_admin
 
@@ -104,7 +105,8 @@ class _SystemCollector(Collector):
         self.num_in_flight = num_in_flight
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | SummaryMetricFamily]:
-        stats = self.system.engine.stats
+        view = ServerView(self.system)
+        stats = view.engine_stats
         yield GaugeMetricFamily(
             "semantic_queue_depth", "Requests waiting to join the batch", stats.num_waiting
         )
@@ -130,7 +132,7 @@ class _SystemCollector(Collector):
             "Agents with an actor or a cache in memory",
             self.system.num_active_agents,
         )
-        group = self.system.engine.group_report()
+        group = view.group_report()
         if group is not None:
             yield GaugeMetricFamily(
                 "semantic_group_size", "Ranks the model is split over", group["world_size"]
@@ -161,25 +163,26 @@ class _SystemCollector(Collector):
         yield CounterMetricFamily(
             "semantic_evicted_caches_dropped",
             "Evicted caches not written: too many bytes already waited for the disk",
-            self.system.models.evicted_writes.num_dropped,
+            view.num_evicted_caches_dropped,
         )
-        persistence = self.system.models.persistence
-        loads = persistence.num_loads if persistence else 0
-        yield CounterMetricFamily("semantic_cache_loads", "Agent caches loaded from disk", loads)
-        if persistence is not None:
+        disk = view.disk()
+        yield CounterMetricFamily(
+            "semantic_cache_loads", "Agent caches loaded from disk", disk.num_loads if disk else 0
+        )
+        if disk is not None:
             yield GaugeMetricFamily(
-                "semantic_disk_cache_bytes", "Agents' cache files on disk", persistence.disk_budget.num_bytes
+                "semantic_disk_cache_bytes", "Agents' cache files on disk", disk.num_bytes
             )
             yield CounterMetricFamily(
                 "semantic_disk_evictions",
                 "Cache files deleted to stay within the disk budget",
-                persistence.num_disk_evictions,
+                disk.num_evictions,
             )
             yield SummaryMetricFamily(
                 "semantic_persist_duration_seconds",
                 "Time to write one agent's cache file",
-                count_value=persistence.num_writes,
-                sum_value=persistence.write_seconds_total,
+                count_value=disk.num_writes,
+                sum_value=disk.write_seconds_total,
             )
         swaps = self.system.models.swap_history
         yield SummaryMetricFamily(

@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from semantic import ModelEntry
+from semantic.actors.interface import ModelEntry, ServerView
 from semantic.protocols.common import SYSTEM_KEY
 
 
@@ -31,7 +31,7 @@ def _card(entry: ModelEntry, loaded: ModelEntry | None, group: dict[str, Any] | 
 
 async def list_models(request: web.Request) -> web.Response:
     models = request.app[SYSTEM_KEY].models
-    group = models.engine.group_report()
+    group = ServerView(request.app[SYSTEM_KEY]).group_report()
     data = [_card(entry, models.entry, group) for entry in models.registry.entries]
     return web.json_response(
         {
@@ -51,7 +51,7 @@ async def get_model(request: web.Request) -> web.Response:
     entry = models.registry.resolve(request.match_info["model_id"]) or models.entry
     if entry is None:
         raise web.HTTPNotFound(text="no model is loaded")
-    return web.json_response(_card(entry, models.entry, models.engine.group_report()))
+    return web.json_response(_card(entry, models.entry, ServerView(request.app[SYSTEM_KEY]).group_report()))
 
 
 def add_routes(app: web.Application) -> None:

@@ -18,8 +18,8 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from loguru import logger
 
-from semantic import Event, Finished, PromptStarted, RequestStream, TokenDelta
 from semantic.actors.cache_miss import CacheReport
+from semantic.actors.interface import Event, Finished, PromptStarted, RequestStream, TokenDelta
 from semantic.protocols.common import GATE_KEY, METRICS_KEY, SETTINGS_KEY
 from semantic.protocols.errors import ApiError, RequestTimedOut, as_api_error, protocol_of
 

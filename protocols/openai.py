@@ -13,7 +13,7 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from semantic import Finished, PromptStarted, TokenLogprob
+from semantic.actors.interface import Finished, PromptStarted, TokenLogprob
 from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.protocols.errors import ApiError
 from semantic.protocols.openai_reply import (

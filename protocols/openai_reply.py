@@ -6,8 +6,8 @@ from typing import Literal
 
 import msgspec
 
-from semantic import Finished, FinishReason
-from semantic import TokenLogprob as EngineTokenLogprob
+from semantic.actors.interface import Finished, FinishReason
+from semantic.actors.interface import TokenLogprob as EngineTokenLogprob
 from semantic.protocols.openai_wire import ToolCall
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "stop"}

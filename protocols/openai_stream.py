@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from semantic import Finished, TokenLogprob
+from semantic.actors.interface import Finished, TokenLogprob
 from semantic.actors.turns import TurnStarted
 from semantic.protocols.common import SseWriter
 from semantic.protocols.errors import ApiError, OpenAIError, OpenAIErrorDetail

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from semantic import ChatMessage as TemplateMessage
+from semantic.actors.interface import ChatMessage as TemplateMessage
 from semantic.actors.turns import ToolChoice, UnsupportedContentError
 from semantic.protocols.tenancy import CacheSalt
 from semantic.protocols.wire_sampling import SamplingFields

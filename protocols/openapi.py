@@ -7,8 +7,13 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from semantic import MAX_LOGIT_BIASES, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
-from semantic.actors.agent_id import MAX_AGENT_ID_LENGTH
+from semantic.actors.interface import (
+    MAX_AGENT_ID_LENGTH,
+    MAX_LOGIT_BIASES,
+    MAX_SEED,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+)
 from semantic.protocols import agents, anthropic, anthropic_reply, completions, openai_reply, openai_wire
 from semantic.protocols.admin import LoadModel
 from semantic.protocols.errors import AgentError, AnthropicError, OpenAIError
@@ -62,7 +67,7 @@ def _operation(
     return operation
 
 
-# What `AgentId` accepts from a client (actors/agent_id.py), so generated ids reach the handlers.
+# What `AgentId` accepts from a client (storage/agent_id.py), so generated ids reach the handlers.
 AGENT_ID_SCHEMA = {
     "type": "string",
     "pattern": f"^[A-Za-z0-9_][A-Za-z0-9._-]{{0,{MAX_AGENT_ID_LENGTH - 1}}}$",

@@ -18,7 +18,15 @@ from typing import Any, Protocol
 from aiohttp import web
 from loguru import logger
 
-from semantic import Event, Finished, PromptProgress, PromptStarted, SamplingParams, TokenDelta, TokenLogprob
+from semantic.actors.interface import (
+    Event,
+    Finished,
+    PromptProgress,
+    PromptStarted,
+    SamplingParams,
+    TokenDelta,
+    TokenLogprob,
+)
 from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.protocols.common import SETTINGS_KEY, SYSTEM_KEY, SseWriter, StreamStalled, json_response
 from semantic.protocols.errors import ApiError, as_api_error

@@ -31,9 +31,9 @@ import msgspec
 from aiohttp import web
 from loguru import logger
 
-from semantic.actors.agent_id import NAMESPACE_PATTERN, AgentId, agent_id_from
-from semantic.config import ServerSection
+from semantic.actors.interface import NAMESPACE_PATTERN, AgentId, agent_id_from
 from semantic.protocols.errors import Forbidden, Unauthorized
+from semantic.protocols.settings import ServerSection
 
 MAX_CACHE_SALT_LENGTH = 256
 # The `cache_salt` request field (as in vLLM): requests share prefix blocks only with the same salt.

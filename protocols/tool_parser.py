@@ -28,7 +28,7 @@ from typing import Any
 
 from mlx_lm.generate import TextStateMachine
 
-from semantic import HERMES, ToolFormat, ToolSchemas
+from semantic.actors.interface import HERMES, ToolFormat, ToolSchemas
 
 _BARE_CALL = '{"name"'
 

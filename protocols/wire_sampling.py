@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from semantic import SamplingParams
+from semantic.actors.interface import SamplingParams
 from semantic.protocols.pipeline import sampling_params
 
 

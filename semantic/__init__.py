@@ -18,7 +18,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from semantic.actors.agent_id import AgentId, InvalidAgentIdError
     from semantic.actors.handle import AgentHandle, TurnSummary
     from semantic.actors.system import AgentInfo, AgentSystem, SystemConfig
     from semantic.actors.turns import ToolChoice, TurnRequest, TurnStarted
@@ -38,12 +37,12 @@ if TYPE_CHECKING:
     from semantic.engine.sampling import MAX_LOGIT_BIASES, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
     from semantic.engine.token_logprobs import TokenLogprob
     from semantic.engine.tool_format import HERMES, ToolFormat, ToolSchemas
+    from semantic.storage.agent_id import AgentId, InvalidAgentIdError
     from semantic.storage.persistence import PersistenceStoppedError
 
 __version__ = "0.1.0"
 
-# The engine's and storage's types the HTTP protocols use: they import neither package directly.
-_SERVING_TYPES = {
+_HOMES = {
     "ChatMessage": "semantic.engine.chat_format",
     "EngineError": "semantic.engine.errors",
     "Event": "semantic.engine.messages",
@@ -64,16 +63,12 @@ _SERVING_TYPES = {
     "ToolFormat": "semantic.engine.tool_format",
     "ToolSchemas": "semantic.engine.tool_format",
     "UnknownModelError": "semantic.engine.registry",
-}
-
-_HOMES = {
-    **_SERVING_TYPES,
     "AgentHandle": "semantic.actors.handle",
-    "AgentId": "semantic.actors.agent_id",
+    "AgentId": "semantic.storage.agent_id",
     "AgentInfo": "semantic.actors.system",
     "AgentSystem": "semantic.actors.system",
     "EngineConfig": "semantic.engine.engine",
-    "InvalidAgentIdError": "semantic.actors.agent_id",
+    "InvalidAgentIdError": "semantic.storage.agent_id",
     "SamplingParams": "semantic.engine.sampling",
     "SystemConfig": "semantic.actors.system",
     "ToolChoice": "semantic.actors.turns",

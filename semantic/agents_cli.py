@@ -52,7 +52,7 @@ def ls_server(args: argparse.Namespace, cache_dir: Path, server: Server) -> int:
 
 
 def _found(args: argparse.Namespace, cache_dir: Path) -> list[AgentFiles]:
-    from semantic.actors.agent_id import AgentId, InvalidAgentIdError
+    from semantic.storage.agent_id import AgentId, InvalidAgentIdError
     from semantic.storage.cache_dir_files import find_agent
 
     try:
@@ -78,7 +78,7 @@ def show_server(args: argparse.Namespace, cache_dir: Path, server: Server) -> in
 
 
 def _checked_id(agent_id: str) -> str:
-    from semantic.actors.agent_id import AgentId, InvalidAgentIdError
+    from semantic.storage.agent_id import AgentId, InvalidAgentIdError
 
     try:
         return AgentId(agent_id)

@@ -18,8 +18,8 @@ from semantic.service import add_service_parser
 
 if TYPE_CHECKING:
     from semantic.actors.system import SystemConfig
-    from semantic.config import Settings
     from semantic.engine.default_model import ProgressFn
+    from semantic.protocols.settings import Settings
 
 
 def _cache_dir(settings: Settings) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from semantic.config import LoadedSettings
+    from semantic.protocols.settings import LoadedSettings
 
 # Flags for settings: (flag, setting key, help). Every setting also has SEMANTIC_<SECTION>_<KEY>.
 MODEL_FLAGS = [
@@ -235,7 +235,7 @@ def _pairs(flag: str, specs: list[str], need_value: bool) -> dict[str, str]:
 
 def load_settings_from(args: argparse.Namespace) -> LoadedSettings:
     """The effective settings: flags over SEMANTIC_* over .env over --config over defaults."""
-    from semantic.config import ConfigError, load_settings
+    from semantic.protocols.settings import ConfigError, load_settings
 
     cli = {k.removeprefix("setting:"): v for k, v in vars(args).items() if k.startswith("setting:")}
     if "model.extra" in cli:

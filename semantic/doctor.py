@@ -21,7 +21,7 @@ import msgspec
 from semantic.cli_settings import add_settings_args, load_settings_from
 
 if TYPE_CHECKING:
-    from semantic.config import Settings
+    from semantic.protocols.settings import Settings
 
 Level = Literal["OK", "WARN", "FAIL"]
 MIB = 1 << 20

@@ -119,7 +119,7 @@ def launch_device(
 def requested_device(environ: Mapping[str, str], argv: Sequence[str] = ()) -> str:
     """`backend.device` as the settings will give it: `--device` in argv over the environment over
     `.env` over the `--config` file. The bare flag or variable where the settings do not load."""
-    from semantic.config import ConfigError, load_settings
+    from semantic.protocols.settings import ConfigError, load_settings
 
     flag = _flag_value(argv, "--device")
     config = _flag_value(argv, "--config")

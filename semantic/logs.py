@@ -9,8 +9,8 @@ from typing import Any
 
 from loguru import logger
 
-from semantic.config import LoggingSection
 from semantic.protocols.observe import add_request_context
+from semantic.protocols.settings import LoggingSection
 
 HUMAN_FORMAT = (
     "<green>{time:YYYY-MM-DD HH:mm:ss.SSS}</green> <level>{level: <7}</level> "

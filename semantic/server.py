@@ -22,7 +22,6 @@ from aiohttp import web
 from loguru import logger
 
 from semantic.actors.system import SystemConfig
-from semantic.config import Settings
 from semantic.engine.commands import Drain
 from semantic.engine.config import EngineStats
 from semantic.engine.distributed import (
@@ -39,6 +38,7 @@ from semantic.engine.registry import ModelEntry
 from semantic.protocols.app import create_app
 from semantic.protocols.common import GATE_KEY, SYSTEM_KEY
 from semantic.protocols.connections import CappedSite
+from semantic.protocols.settings import Settings
 from semantic.storage.cache_dir_lock import CacheDirBusyError, CacheDirLock, LockFileError, LockHolder
 from semantic.storage.shard_files import ShardFiles
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from semantic import service_logs
 from semantic.cli_settings import add_settings_args, load_settings_from
-from semantic.config import ENV_PREFIX, SECRET_KEYS
+from semantic.protocols.settings import ENV_PREFIX, SECRET_KEYS
 from semantic.service_units import (
     CONTROL_CHARACTER,
     FLUSH_MARGIN_S,
@@ -34,7 +34,7 @@ from semantic.service_units import (
 )
 
 if TYPE_CHECKING:
-    from semantic.config import Settings
+    from semantic.protocols.settings import Settings
 
 # Settings holding paths: made absolute, since the service runs in another working directory.
 PATH_SETTINGS = {"cache.dir", "model.dir", "server.api_keys_file", "logging.file"}

@@ -21,7 +21,7 @@ from typing import IO
 
 import msgspec
 
-from semantic.actors.agent_id import AgentId
+from semantic.storage.agent_id import AgentId
 from semantic.storage.agents_folder import CONVERSATION_SUFFIX, SUFFIX
 from semantic.storage.cache_dir_files import AgentFiles, check_cache_file
 from semantic.storage.cache_file import TEMP_SUFFIX, mark_imported, read_metadata, replace_atomically

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from semantic.actors.agent_id import AgentId, InvalidAgentIdError
+from semantic.storage.agent_id import AgentId, InvalidAgentIdError
 from semantic.storage.agents_folder import (
     CONVERSATION_SUFFIX,
     NEWER_FORMAT_DIR,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from semantic.actors.agent_id import AgentId
 from semantic.engine.eviction import LRU, EvictionPolicy
+from semantic.storage.agent_id import AgentId
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,9 @@ from typing import Any
 
 from loguru import logger
 
-from semantic.actors.agent_id import AgentId, InvalidAgentIdError
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.mailbox import Mailbox, reply_to
+from semantic.storage.agent_id import AgentId, InvalidAgentIdError
 from semantic.storage.agents_folder import (
     CONVERSATION_SUFFIX,
     NEWER_FORMAT_DIR,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from semantic.actors.agent_id import AgentId
 from semantic.engine.cache_tensors import SerializedCache
+from semantic.storage.agent_id import AgentId
 from semantic.storage.conversation_file import ConversationRecord
 
 

@@ -16,10 +16,10 @@ from typing import Any
 
 from loguru import logger
 
-from semantic.actors.agent_id import AgentId
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.distributed import GroupLayout
 from semantic.engine.loading import LoadedModel
+from semantic.storage.agent_id import AgentId
 from semantic.storage.agents_folder import SUFFIX, move_aside
 from semantic.storage.cache_file import (
     CacheFileError,

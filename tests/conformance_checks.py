@@ -25,13 +25,13 @@ import mlx.core as mx
 import msgspec
 from mlx_lm.generate import generate_step
 
-from semantic.actors.agent_id import AgentId
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.engine.chat_format import ChatMessage
 from semantic.engine.config import EngineConfig
 from semantic.engine.messages import Finished, PromptStarted
 from semantic.engine.sampling import SamplingParams
+from semantic.storage.agent_id import AgentId
 
 MAX_TOKENS = 16
 MIN_DISTINCT_TOKENS = 4  # fewer in a reference reply: the model collapsed, and a match proves nothing

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from semantic import AgentSystem, EngineConfig, SamplingParams, SystemConfig, TurnRequest
-from semantic.actors.agent_id import AgentId
 from semantic.engine.errors import LibraryPanic
+from semantic.storage.agent_id import AgentId
 from tests.waiting import wait_until_async
 
 NUM_ONE_OFF_IDS = 20_000

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from semantic.actors.agent_id import AgentId
+from semantic.storage.agent_id import AgentId
 from semantic.storage.persistence import PersistenceActor
 from tests.agent_api_client import call
 from tests.server_process import ServerProcess

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from semantic.actors.agent_id import AgentId, InvalidAgentIdError, agent_id_from
 from semantic.actors.agent_messages import AgentStoppedError, MailboxFullError, StartTurn
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest, TurnStarted
@@ -21,6 +20,7 @@ from semantic.engine.engine import EngineConfig, RequestStream
 from semantic.engine.messages import Finished, PromptStarted, TokenDelta
 from semantic.engine.runtime import Runtime
 from semantic.engine.sampling import SamplingParams
+from semantic.storage.agent_id import AgentId, InvalidAgentIdError, agent_id_from
 from semantic.storage.cache_file import CacheIdentity, read_cache_file, write_cache_file
 
 TURNS = ["Hi! My name is Ada.", "What is my name?", "Tell me a fun fact about the moon."]

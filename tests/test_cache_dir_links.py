@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from semantic.actors.agent_id import AgentId
+from semantic.storage.agent_id import AgentId
 from semantic.storage.agents_folder import move_aside, scan_folder, set_aside
 from semantic.storage.persistence import PersistenceActor
 from tests.test_agents_cli import semantic

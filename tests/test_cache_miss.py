@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from semantic.actors.agent_id import AgentId
 from semantic.actors.cache_miss import (
     CacheReport,
     Reason,
@@ -33,6 +32,7 @@ from semantic.actors.cache_notes import CacheNotes
 from semantic.actors.turns import TurnRequest
 from semantic.engine.chat_format import ChatFormat
 from semantic.engine.sampling import SamplingParams
+from semantic.storage.agent_id import AgentId
 from tests.agent_api_client import call
 from tests.server_process import ServerProcess
 from tests.waiting import wait_until

@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from semantic.actors.agent_id import AgentId
 from semantic.engine.cache_tensors import SerializedCache
+from semantic.storage.agent_id import AgentId
 from semantic.storage.agents_folder import AgentIdCollisionError
 from semantic.storage.cache_file import CacheIdentity
 from semantic.storage.conversation_file import ConversationRecord

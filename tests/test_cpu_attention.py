@@ -387,10 +387,10 @@ TINY_DEEPSEEK_V3 = {
 
 
 async def _reply(system: Any, agent_id: str, prompt: list[int], max_tokens: int) -> tuple[list[int], Any]:
-    from semantic.actors.agent_id import AgentId
     from semantic.actors.turns import TurnRequest
     from semantic.engine.messages import PromptStarted, TokenDelta
     from semantic.engine.sampling import SamplingParams
+    from semantic.storage.agent_id import AgentId
 
     turn = TurnRequest(
         uuid.uuid4().hex,

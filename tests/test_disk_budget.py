@@ -11,8 +11,8 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from semantic.actors.agent_id import AgentId
 from semantic.engine.cache_tensors import SerializedCache
+from semantic.storage.agent_id import AgentId
 from semantic.storage.agents_folder import MAX_QUARANTINED, move_aside
 from semantic.storage.conversation_file import ConversationRecord
 from semantic.storage.disk_budget import CacheFileUse, DiskBudget

@@ -9,7 +9,6 @@ from typing import TypeVar
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from semantic.actors.agent_id import AgentId
 from semantic.engine.agent_cache import AgentCacheStore
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_matching import ANONYMOUS_PREFIX
@@ -17,6 +16,7 @@ from semantic.engine.cache_spec import LayerKind, ModelCacheSpec
 from semantic.engine.eviction import LRU, EvictionPolicy
 from semantic.engine.scheduler import make_room, pool_summary
 from semantic.engine.step_plan import Evict, plan_room
+from semantic.storage.agent_id import AgentId
 from semantic.storage.disk_budget import DiskBudget
 
 T = TypeVar("T")

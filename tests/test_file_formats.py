@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from semantic.actors.agent_id import AgentId
 from semantic.engine.loading import fingerprint_model
+from semantic.storage.agent_id import AgentId
 from semantic.storage.agents_folder import NEWER_FORMAT_DIR
 from semantic.storage.cache_file import CacheIdentity, read_metadata
 from semantic.storage.conversation_file import (

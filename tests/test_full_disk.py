@@ -25,8 +25,8 @@ import pytest
 from loguru import logger
 from safetensors import SafetensorError
 
-from semantic.actors.agent_id import AgentId
 from semantic.storage import cache_file
+from semantic.storage.agent_id import AgentId
 from semantic.storage.cache_file import SAFETENSORS_TEMP_NAME, is_temp_name, write_cache_file
 from semantic.storage.conversation_file import ConversationRecord
 from semantic.storage.disk_full import DiskFullError

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from semantic.actors.agent_id import AgentId
 from semantic.cli import main
+from semantic.storage.agent_id import AgentId
 from semantic.storage.cache_file import CacheIdentity, read_metadata
 from semantic.storage.persistence import PersistenceActor
 from tests.server_process import ServerProcess

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-from semantic.actors.agent_id import AgentId
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest
 from semantic.engine.chat_format import ChatFormat
 from semantic.engine.engine import EngineConfig
 from semantic.engine.messages import PromptStarted, TokenDelta
 from semantic.engine.sampling import SamplingParams
+from semantic.storage.agent_id import AgentId
 from tests.agent_api_client import _loaded, cold_continuation
 from tests.test_real_templates import model_with_template
 

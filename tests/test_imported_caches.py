@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from semantic.actors.agent_id import AgentId
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.commands import LoadModel, ReferenceGenerate, RestoreCache, TakeCache, UnloadModel
 from semantic.engine.engine import Engine, EngineConfig
 from semantic.engine.messages import Finished, GenerationRequest, PromptStarted, TokenDelta
 from semantic.engine.sampling import SamplingParams
 from semantic.storage.agent_archive import export_archive, import_archive
+from semantic.storage.agent_id import AgentId
 from semantic.storage.cache_dir_files import AgentFiles
 from semantic.storage.cache_file import identity_of, read_cache_file, read_metadata, write_cache_file
 

@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 from mlx_lm import load, stream_generate
 
-from semantic.actors.agent_id import AgentId
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest
 from semantic.engine.commands import InspectPool
 from semantic.engine.engine import EngineConfig
 from semantic.engine.messages import PromptStarted, TokenDelta
 from semantic.engine.sampling import SamplingParams
+from semantic.storage.agent_id import AgentId
 from tests.tiny_models import TINY_CONFIGS, build_tiny_model
 
 BLOCK = 16

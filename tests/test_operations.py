@@ -16,8 +16,8 @@ import openai
 import pytest
 from hypothesis import given
 
-from semantic.config import ConfigError, load_settings
 from semantic.protocols.guard import TokenBucket
+from semantic.protocols.settings import ConfigError, load_settings
 from tests.server_process import ServerProcess
 from tests.waiting import wait_until
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from semantic.actors.agent_id import AgentId
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.engine.commands import InspectPool, Submit
 from semantic.engine.engine import EngineConfig
@@ -23,6 +22,7 @@ from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
 from semantic.engine.sampling import SamplingParams
 from semantic.engine.scheduler import Scheduler
+from semantic.storage.agent_id import AgentId
 from tests.batch_driver import chat, drain, loop, outbox, runtime, submit
 from tests.test_agents import cold_output, generate, run_turn, user_turn, without_eos
 

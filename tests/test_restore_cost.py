@@ -13,13 +13,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from loguru import logger
 
-from semantic.actors.agent_id import AgentId
 from semantic.actors.restore_cost import ALWAYS_READ_S, RateMean, RestoreCosts, Totals, decide_restore
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest
 from semantic.engine.engine import EngineConfig
 from semantic.engine.messages import Finished, PromptStarted, TokenDelta
 from semantic.engine.sampling import SamplingParams
+from semantic.storage.agent_id import AgentId
 
 # ---- the decision and the means, without a model ----
 

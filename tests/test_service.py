@@ -282,7 +282,7 @@ def test_log_file_rotates_and_keeps_the_newest_files(tmp_path: Path) -> None:
     log = tmp_path / "logs/semantic.log"
     script = f"""
 from loguru import logger
-from semantic.config import LoggingSection
+from semantic.protocols.settings import LoggingSection
 from semantic.logs import configure_logging
 configure_logging(LoggingSection(file={str(log)!r}, rotate_mb=0.002, keep_files=2, format="json"))
 for i in range(400):

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from semantic.actors.agent_id import AgentId
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest
 from semantic.engine.engine import EngineConfig
 from semantic.engine.messages import PromptStarted, TokenDelta
 from semantic.engine.sampling import SamplingParams
+from semantic.storage.agent_id import AgentId
 from tests.agent_api_client import _loaded, cold_continuation
 from tests.arch_configs import ARCHITECTURES
 from tests.conformance_models import build_model, save_model_dir

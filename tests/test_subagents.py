@@ -20,8 +20,8 @@ import aiohttp
 import anthropic
 import pytest
 
-from semantic.actors.agent_id import AgentId
 from semantic.actors.history_marks import HistoryMark, HistoryMarks
+from semantic.storage.agent_id import AgentId
 from tests.server_process import ServerProcess
 from tests.waiting import wait_until
 

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from semantic import cli
-from semantic.config import load_settings
 from semantic.engine.block_pool import BlockPool, hash_prefix_blocks
+from semantic.protocols.settings import load_settings
 from tests.server_process import ServerProcess
 
 ALICE = "sk-alice-0123456789abcdef"

@@ -27,7 +27,6 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
 from semantic.actors.system import SystemConfig
-from semantic.config import load_settings
 from semantic.engine.agent_cache import AgentCacheStore
 from semantic.engine.block_pool import BlockPool
 from semantic.engine.cache_pins import CachePin
@@ -36,6 +35,7 @@ from semantic.engine.config import EngineConfig
 from semantic.engine.eviction import EvictionPolicy
 from semantic.protocols.app import create_app
 from semantic.protocols.common import SYSTEM_KEY
+from semantic.protocols.settings import load_settings
 from tests.server_process import ServerProcess
 from tests.test_tenancy import ALICE, BOB, keys_file
 

@@ -14,7 +14,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from semantic.actors.agent_id import AgentId
 from semantic.engine import tick_plan
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.commands import (
@@ -33,6 +32,7 @@ from semantic.engine.loading import check_heads_divide
 from semantic.engine.lockstep import DIGEST_MODULUS, clock_now, config_dict, config_from, next_digest
 from semantic.engine.messages import EventChannel, GenerationRequest
 from semantic.engine.sampling import SamplingParams
+from semantic.storage.agent_id import AgentId
 from semantic.storage.cache_file import CacheFileError, CacheIdentity, read_cache_file, write_cache_file
 from tests.server_process import ROOT
 from tests.test_cache_file import SPEC, a_cache

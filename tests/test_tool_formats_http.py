@@ -24,7 +24,6 @@ from aiohttp import web
 
 from semantic.actors.system import SystemConfig
 from semantic.actors.turns import TurnRequest, TurnStarted, prepare_stateless
-from semantic.config import Settings
 from semantic.engine.chat_format import ChatFormat
 from semantic.engine.engine import EngineConfig
 from semantic.engine.messages import (
@@ -39,6 +38,7 @@ from semantic.engine.request_stream import RequestStream
 from semantic.engine.text_stream import TextStream
 from semantic.protocols.app import create_app
 from semantic.protocols.common import SYSTEM_KEY
+from semantic.protocols.settings import Settings
 from tests.server_process import free_port
 from tests.tool_call_samples import ARGUMENTS, BY_KEY, TOOLS, WEATHER, tokenizer_for
 

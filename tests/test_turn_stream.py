@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from semantic.actors.agent_id import AgentId
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest
 from semantic.engine.engine import EngineConfig
 from semantic.engine.messages import Finished, FinishReason
 from semantic.engine.sampling import SamplingParams
+from semantic.storage.agent_id import AgentId
 from semantic.storage.conversation_file import read_conversation
 
 

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 from loguru import logger
 
-from semantic.actors.agent_id import AgentId
 from semantic.engine import weights_digest
 from semantic.engine.loading import fingerprint_model, legacy_fingerprint
+from semantic.storage.agent_id import AgentId
 from semantic.storage.agents_folder import CONVERSATION_SUFFIX
 from semantic.storage.cache_file import CacheIdentity, write_cache_file
 from semantic.storage.conversation_file import ConversationRecord
