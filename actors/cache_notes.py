@@ -106,6 +106,6 @@ async def explain_turn(
     else:
         note = notes.note_of(agent_id)
         explaining = (session.chat, note, fingerprint, turn, prompt.token_ids)
-        report, digest = await models.tokenize(explain_in_worker, *explaining)
+        report, digest = await models.in_tokenizer_worker(explain_in_worker, *explaining)
     notes.count(agent_id, report)
     return report, digest

@@ -139,8 +139,9 @@ class ModelHost:
             await self.persistence.stop()
         self._tokenizer.shutdown(wait=False, cancel_futures=True)
 
-    async def tokenize(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a template/tokenizer function in the tokenizer workers."""
+    async def in_tokenizer_worker(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the tokenizer workers, off the event loop: templates and tokenizing, grammar
+        compiles, cache explanations and heap releases."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer, fn, *args)
 
     async def ready(self, name: str | None = None, may_switch: bool = True) -> ModelSession:

@@ -170,7 +170,7 @@ class AgentSystem:
         session = await self.models.ready(turn.model, may_switch=turn.may_switch_model)
         loaded = session.loaded
         bound = PromptBound.of(loaded, self.config.max_prompt_tokens)
-        prompt = await self.models.tokenize(prepare_stateless, session.chat, turn, bound)
+        prompt = await self.models.in_tokenizer_worker(prepare_stateless, session.chat, turn, bound)
         return len(prompt.token_ids)
 
     async def open_agent(

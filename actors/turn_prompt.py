@@ -43,16 +43,16 @@ async def build_request(
     bound = PromptBound.of(loaded, max_prompt_tokens)
     if conversation is not None:
         history, system = conversation.token_ids, conversation.system
-        prompt = await models.tokenize(prepare_continuation, chat, history, system, turn, bound)
+        prompt = await models.in_tokenizer_worker(prepare_continuation, chat, history, system, turn, bound)
     else:
-        prompt = await models.tokenize(prepare_stateless, chat, turn, bound)
+        prompt = await models.in_tokenizer_worker(prepare_stateless, chat, turn, bound)
     num_tokens = len(prompt.token_ids)
     if max_prompt_tokens is not None and num_tokens > max_prompt_tokens:
         del prompt
-        await models.tokenize(give_memory_back)  # what tokenizing it took, back to the OS
+        await models.in_tokenizer_worker(give_memory_back)  # what tokenizing it took, back to the OS
         raise PromptLimitError(num_tokens, max_prompt_tokens)
     if num_tokens >= LARGE_PROMPT_TOKENS:
-        await models.tokenize(give_memory_back)
+        await models.in_tokenizer_worker(give_memory_back)
     sampling = turn.sampling.with_defaults(session.loaded.generation_defaults)
     # A forced call ends at its closer. Under a grammar the grammar writes the closer and then allows
     # only the end of the reply; a stop string would also fire on the closer inside a string argument.
@@ -79,7 +79,9 @@ async def _compile(
 ) -> GrammarMatcher | None:
     """The grammar's matcher, or its fallback's where llguidance refuses guidance the server chose."""
     try:
-        return await models.tokenize(session.grammars.matcher, grammar.grammar, grammar.trigger, cache_salt)
+        return await models.in_tokenizer_worker(
+            session.grammars.matcher, grammar.grammar, grammar.trigger, cache_salt
+        )
     except GrammarError as error:
         if grammar.fallback is None and not grammar.is_optional:
             raise

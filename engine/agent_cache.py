@@ -106,7 +106,7 @@ class Checkpoint:
 
 
 @dataclass(slots=True)
-class PreparedPrompt:
+class StartingCache:
     agent_id: str
     caches: list[Any]
     num_cached_tokens: int
@@ -164,7 +164,7 @@ class AgentCacheStore:
                     best, best_len = agent.agent_id, shared
         return best
 
-    def prepare(self, agent_id: str, prompt: list[int], salt: str | None = None) -> PreparedPrompt:
+    def prepare(self, agent_id: str, prompt: list[int], salt: str | None = None) -> StartingCache:
         """Build per-layer caches holding the longest reusable prefix of `prompt`."""
         self.running_shares.note(agent_id, [])
         agent = self.agents.get(agent_id)
@@ -186,7 +186,7 @@ class AgentCacheStore:
         caches = self._build_caches(agent, num_reused, len(prompt))
         tier = ("disk" if agent.from_disk else "memory") if num_reused else "none"
         agent.from_disk = False
-        return PreparedPrompt(agent_id, caches, num_reused, tier)
+        return StartingCache(agent_id, caches, num_reused, tier)
 
     def _resume_point(self, agent: AgentCache, limit: int) -> int:
         """The most tokens of the agent's cache, at most `limit`, that a turn can start from: any
@@ -308,14 +308,14 @@ class AgentCacheStore:
         shared = [state.block_ids for state in self.shared_states.values()]
         return shared + [self.pins.held[key].block_ids for key in self.pins.drop_order()]
 
-    def _prepare_shared_prefix(self, agent_id: str, prompt: list[int], salt: str | None) -> PreparedPrompt:
+    def _prepare_shared_prefix(self, agent_id: str, prompt: list[int], salt: str | None) -> StartingCache:
         """A new agent still reuses full blocks another agent published under the same salt."""
         num_reused, block_ids = self._shared_prefix_length(prompt, salt)
         if not num_reused:
-            return PreparedPrompt(agent_id, self._new_caches(), 0, "none")
+            return StartingCache(agent_id, self._new_caches(), 0, "none")
         probe = AgentCache(agent_id, prompt[:num_reused], block_ids, salt=salt)
         self.running_shares.note(agent_id, block_ids)
-        return PreparedPrompt(
+        return StartingCache(
             agent_id, self._build_caches(probe, num_reused, len(prompt)), num_reused, "memory"
         )
 

@@ -146,7 +146,7 @@ class Shutdown:
 
 
 @dataclass(slots=True)
-class Envelope:
+class PendingAsk:
     """An ask on its way to the engine thread, and where its answer goes. The engine thread reads a
     thread queue (it blocks there while idle), not an actor's asyncio mailbox (engine/mailbox.py),
     so the answer crosses back to the loop, and there follows the actors' rule (`reply_to`)."""
@@ -162,7 +162,7 @@ class Envelope:
         self.loop.call_soon_threadsafe(reject, self.reply, error)
 
 
-Message = Submit | Cancel | Shutdown | Envelope
+Message = Submit | Cancel | Shutdown | PendingAsk
 
 
 def resolve(future: asyncio.Future[Any], value: Any) -> None:

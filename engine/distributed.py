@@ -2,7 +2,7 @@
 
 Under `mlx.launch` (ring over TCP or Thunderbolt, MPI, JACCL, NCCL) every rank runs
 `semantic serve`; `mx.distributed.init()` returns the group it set up. Rank 0 runs the daemon and
-its engine leads: before each tick it shares the tick's plan (`engine/tick_plan.py`), and the other
+its engine leads: before each tick it shares the tick's plan (`engine/group_tick.py`), and the other
 ranks apply the same plan, so every rank makes the same model calls in the same order and
 mlx-lm's sharded layers meet in their collectives. Everything here is a collective: every rank
 calls it at the same point of the same tick.

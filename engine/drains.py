@@ -6,14 +6,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from semantic.engine.commands import Envelope
+from semantic.engine.commands import PendingAsk
 
 
 @dataclass(slots=True)
 class PendingDrain:
     deadline: float
     reason: str
-    envelope: Envelope
+    envelope: PendingAsk
     num_failed: int = 0
 
 
@@ -24,7 +24,7 @@ class Drains:
     def __bool__(self) -> bool:
         return bool(self._pending)
 
-    def add(self, envelope: Envelope, timeout_s: float, reason: str) -> None:
+    def add(self, envelope: PendingAsk, timeout_s: float, reason: str) -> None:
         self._pending.append(PendingDrain(time.monotonic() + timeout_s, reason, envelope))
 
     def expired_reason(self, now: float, busy: bool) -> str | None:

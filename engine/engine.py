@@ -1,6 +1,6 @@
 """The engine's asyncio side: start and stop its thread, submit and cancel requests, ask commands.
 
-Everything the model touches lives on the engine thread (`core.py`); this side only puts messages
+Everything the model touches lives on the engine thread (`engine_loop.py`); this side only puts messages
 in its inbox and awaits replies, so nothing here takes a lock.
 """
 
@@ -17,15 +17,15 @@ import mlx.core as mx
 import msgspec
 
 from semantic.engine.cache_tensors import SerializedCache
-from semantic.engine.commands import Cancel, EngineAsk, Envelope, Message, Shutdown, Submit, reject
+from semantic.engine.commands import Cancel, EngineAsk, Message, PendingAsk, Shutdown, Submit, reject
 from semantic.engine.config import EngineConfig, EngineStats
 from semantic.engine.distributed import Collectives, GroupLayout, heartbeat_s, launched_group, layout_of
 from semantic.engine.errors import EngineError, ModelChangedError, PromptTooLongError
+from semantic.engine.leader_loop import LeaderLoop
 from semantic.engine.loading import LoadedModel
 from semantic.engine.lockstep import Leader
 from semantic.engine.messages import EventChannel, GenerationRequest
 from semantic.engine.request_stream import RequestStream
-from semantic.engine.serving import ServingCore
 
 __all__ = [
     "Engine",
@@ -50,7 +50,7 @@ class Engine:
         self.stats = EngineStats()
         self._on_evicted = on_evicted
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
-        self._core: ServingCore | None = None
+        self._core: LeaderLoop | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False  # the thread has ended and what it left in the inbox was failed
@@ -95,7 +95,7 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self.group_lost = asyncio.Event()
         leader = self._lead_group()
-        self._core = ServingCore(
+        self._core = LeaderLoop(
             self._config,
             self.stats,
             self._inbox,
@@ -197,10 +197,10 @@ class Engine:
         if self._loop is None or self._closed:
             raise EngineError("the engine is not running")
         reply: asyncio.Future[T] = self._loop.create_future()
-        self._inbox.put(Envelope(command, reply, self._loop))
+        self._inbox.put(PendingAsk(command, reply, self._loop))
         return reply
 
-    def _thread_main(self, core: ServingCore, ready: asyncio.Future[None]) -> None:
+    def _thread_main(self, core: LeaderLoop, ready: asyncio.Future[None]) -> None:
         assert self._loop is not None, "engine thread started without a loop: engine bug"
         try:
             core.run(ready)
@@ -219,7 +219,7 @@ class Engine:
             except queue.Empty:
                 return
             match message:
-                case Envelope(reply=reply):
+                case PendingAsk(reply=reply):
                     reject(reply, EngineError("the engine stopped before answering"))
                 case Submit(events=events):
                     events.put(EngineError("the engine stopped before this request ran"))

@@ -1,8 +1,8 @@
 """Which caches go when room is needed, in memory and on disk: one policy object, LRU by default.
 
-Every place that evicts asks it: the admission plan (`step_plan.py`, the order of victims and the
+Every place that evicts asks it: the admission plan (`tick_schedule.py`, the order of victims and the
 caches spared while the request that needs the room is planned), the store when a block must be
-found mid-step (`agent_cache.py`), the engine when it hands evicted caches on (`core.py`: to the
+found mid-step (`agent_cache.py`), the engine when it hands evicted caches on (`engine_loop.py`: to the
 disk tier, or dropped), the writes waiting for the disk (`actors/evicted_writes.py`) and the
 persistence actor's disk budget (`storage/disk_budget.py`). Pass another policy to
 `AgentCacheStore`, `EvictedWrites` or `DiskBudget` to change a decision.

@@ -2,7 +2,7 @@
 
 `Leader.share` runs on rank 0's engine thread at the start of each tick, before the tick's
 messages are applied; `Follower.receive` is the other ranks' matching call. Both then run the
-same tick (`engine/core.py`). While rank 0 idles it still shares an empty tick every
+same tick (`engine/engine_loop.py`). While rank 0 idles it still shares an empty tick every
 `heartbeat_s`, so a follower that hears nothing for the rank timeout knows rank 0 is gone.
 """
 
@@ -12,13 +12,13 @@ import time
 from dataclasses import asdict, replace
 from typing import Any, Protocol
 
-from semantic.engine import tick_plan
+from semantic.engine import group_tick
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.commands import Message
 from semantic.engine.config import EngineConfig
 from semantic.engine.distributed import Collectives, GroupLayout
+from semantic.engine.group_tick import GroupTick, Tick
 from semantic.engine.loading import LoadedModel
-from semantic.engine.tick_plan import Tick, TickPlan
 
 DIGEST_MODULUS = (1 << 61) - 1  # a Mersenne prime: the running token digest stays an int64
 
@@ -78,12 +78,12 @@ class Leader(_Rank):
         timeout_s: float | None = None,
     ) -> None:
         """Tell the other ranks what this tick does; raises GroupLostError if one is gone."""
-        ops = [op for op in map(tick_plan.op_for, messages) if op is not None]
-        plan = TickPlan(ops, fail_reason, config_dict(config) if config is not self._shared_config else None)
+        ops = [op for op in map(group_tick.op_for, messages) if op is not None]
+        plan = GroupTick(ops, fail_reason, config_dict(config) if config is not self._shared_config else None)
         self._shared_config = config
-        data = b"" if tick_plan.is_empty(plan) else tick_plan.encode(plan)
+        data = b"" if group_tick.is_empty(plan) else group_tick.encode(plan)
         header = [len(data), chunk, round(now * 1_000_000), token_digest]
-        self.collectives.share_header(header, tick_plan.HEADER_LENGTH, timeout_s)
+        self.collectives.share_header(header, group_tick.HEADER_LENGTH, timeout_s)
         if data:
             self.collectives.share_bytes(data, len(data))
 
@@ -97,9 +97,9 @@ class Follower(_Rank):
 
     def receive(self, timeout_s: float | None = None) -> Tick:
         num_bytes, chunk, now_us, digest = self.collectives.share_header(
-            None, tick_plan.HEADER_LENGTH, timeout_s
+            None, group_tick.HEADER_LENGTH, timeout_s
         )
-        plan = tick_plan.decode(self.collectives.share_bytes(None, num_bytes)) if num_bytes else TickPlan()
+        plan = group_tick.decode(self.collectives.share_bytes(None, num_bytes)) if num_bytes else GroupTick()
         return Tick(now=now_us / 1_000_000, chunk=chunk, token_digest=digest, plan=plan)
 
 

@@ -4,7 +4,7 @@ The rules, after pykka (`_actor.py`, `_envelope.py`): an ask's answer or failure
 caller's future, unless the caller left (cancelled it), and the actor lives on either way; a full
 mailbox refuses an ask at once; a closed one refuses new asks and fails every queued one, so no
 caller waits for ever. The agent and persistence actors read one; the engine thread reads a thread
-queue instead and shares only `Envelope`'s reply rule (`reply_to`, see engine/commands.py).
+queue instead and shares only `PendingAsk`'s reply rule (`reply_to`, see engine/commands.py).
 """
 
 from __future__ import annotations

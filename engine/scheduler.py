@@ -1,5 +1,5 @@
 """Requests waiting for a batch slot, and the tick's plan for them: `plan` reads the queue, the
-batch and the pool into plain data for `step_plan.plan_step` (which decides: who joins, who is
+batch and the pool into plain data for `tick_schedule.schedule_tick` (which decides: who joins, who is
 refused, what is evicted, whether a short turn overtakes a lone long prefill), and `apply` carries
 that plan out in order. The eviction policy (`eviction.py`, the store's) orders the victims and
 names the caches spared.
@@ -20,7 +20,7 @@ from semantic.engine.errors import EngineError, ModelChangedError, PoolExhausted
 from semantic.engine.outbox import Outbox
 from semantic.engine.runtime import Runtime
 from semantic.engine.sequence import SetAside
-from semantic.engine.step_plan import (
+from semantic.engine.tick_schedule import (
     Action,
     Admit,
     BatchSummary,
@@ -31,11 +31,10 @@ from semantic.engine.step_plan import (
     Overtake,
     PoolSummary,
     Refuse,
-    Resume,
-    StepPlan,
+    TickSchedule,
     WaitingEntry,
     plan_room,
-    plan_step,
+    schedule_tick,
 )
 
 
@@ -62,21 +61,21 @@ class Scheduler:
         self.waiting.clear()
         return waiting
 
-    def admit(
+    def plan_and_apply(
         self, runtime: Runtime, config: EngineConfig, outbox: Outbox, now: float | None = None, chunk: int = 0
-    ) -> StepPlan:
+    ) -> TickSchedule:
         """Plan the tick and carry the plan out; `now` (monotonic seconds) decides which requests
         waited too long and `chunk` is the step's prefill chunk: in a group, rank 0's."""
         plan = self.plan(runtime, config, time.monotonic() if now is None else now, chunk)
         self.apply(plan, runtime, outbox)
         return plan
 
-    def plan(self, runtime: Runtime, config: EngineConfig, now: float, chunk: int) -> StepPlan:
+    def plan(self, runtime: Runtime, config: EngineConfig, now: float, chunk: int) -> TickSchedule:
         """The tick's plan from the queue, the batch and the pool as they are now."""
         batch = runtime.batch
         slots = min(config.max_batch_size - len(batch), config.num_prefilled_together)
         if not self.waiting or slots <= 0:
-            return StepPlan([], chunk)
+            return TickSchedule([], chunk)
         lone = batch.running.lone_prefill() if batch.is_prefilling else None
         summary = BatchSummary(
             len(batch),
@@ -85,8 +84,8 @@ class Scheduler:
             LonePrefill(lone[0], lone[1].queued_at, lone[2]) if lone is not None else None,
         )
         if summary.is_prefilling and summary.lone_prefill is None:
-            return StepPlan([], chunk)  # nothing to overtake: no need to read the pool
-        return plan_step(
+            return TickSchedule([], chunk)  # nothing to overtake: no need to read the pool
+        return schedule_tick(
             [self._entry(position, submit, runtime) for position, submit in enumerate(self.waiting)],
             summary,
             pool_summary(runtime.store),
@@ -97,7 +96,7 @@ class Scheduler:
             policy=runtime.store.policy,
         )
 
-    def apply(self, plan: StepPlan, runtime: Runtime, outbox: Outbox) -> None:
+    def apply(self, plan: TickSchedule, runtime: Runtime, outbox: Outbox) -> None:
         """Carry `plan` out in order: a plan is applied in the tick it was made for."""
         batch, store = runtime.batch, runtime.store
         waiting = list(self.waiting)
@@ -124,8 +123,6 @@ class Scheduler:
                         except Exception as error:
                             logger.exception("request {} failed at admission", submit.request.request_id)
                             outbox.post(submit.events, error)
-                    case Resume():
-                        pass  # below, whatever happened before it
         finally:
             if aside is not None:
                 batch.resume(aside)

@@ -14,7 +14,7 @@ from semantic.protocols.errors import agent_error
 from semantic.protocols.tenancy import require_admin
 
 
-class LoadModel(msgspec.Struct, forbid_unknown_fields=True):
+class LoadModelBody(msgspec.Struct, forbid_unknown_fields=True):
     model: str
 
 
@@ -23,7 +23,7 @@ async def load_model(request: web.Request) -> web.Response:
     require_admin(request)
     system = request.app[SYSTEM_KEY]
     try:
-        body = msgspec.json.decode(await request.read(), type=LoadModel)
+        body = msgspec.json.decode(await request.read(), type=LoadModelBody)
         entry = system.models.registry.resolve(body.model) or system.models.entry
     except (msgspec.ValidationError, msgspec.DecodeError) as error:
         return agent_error(400, f"invalid request body: {error}", "invalid_request_error")

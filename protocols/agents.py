@@ -23,9 +23,9 @@ from semantic.actors.agent_messages import AgentExistsError
 from semantic.actors.interface import AgentId, Finished, PromptStarted
 from semantic.actors.system import AgentInfo
 from semantic.actors.turns import TurnRequest, TurnStarted
+from semantic.protocols.answer_turn import TurnEvent, TurnReply, answer_turn
 from semantic.protocols.common import GATE_KEY, SYSTEM_KEY, SseWriter, json_response
 from semantic.protocols.errors import ApiError, NotFound
-from semantic.protocols.pipeline import TurnEvent, TurnReply, answer_turn
 from semantic.protocols.tenancy import CacheSalt, client_agent_id, is_admin, is_visible, scoped_cache_salt
 from semantic.protocols.tool_parser import TextPart
 from semantic.protocols.wire_sampling import SamplingFields, sampling_of

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from semantic.actors.interface import PromptTooLongError
 from semantic.actors.turns import PromptLimitError, TurnRequest, TurnStarted, UnsupportedContentError
+from semantic.protocols.answer_turn import TurnReply, answer_turn, sampling_params
 from semantic.protocols.anthropic_reply import MessageReply, MessageStream, new_id
 from semantic.protocols.anthropic_wire import (
     MessagesRequest,
@@ -24,7 +25,6 @@ from semantic.protocols.anthropic_wire import (
 from semantic.protocols.common import SYSTEM_KEY, SseWriter, json_response
 from semantic.protocols.errors import ApiError
 from semantic.protocols.observe import admit, check_bounds
-from semantic.protocols.pipeline import TurnReply, answer_turn, sampling_params
 from semantic.protocols.tenancy import is_admin, request_agent_id, scoped_cache_salt
 
 PING_FRAME = b'event: ping\ndata: {"type":"ping"}\n\n'

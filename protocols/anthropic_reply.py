@@ -14,9 +14,9 @@ import msgspec
 
 from semantic.actors.interface import Finished, FinishReason, PromptStarted
 from semantic.actors.turns import TurnStarted
+from semantic.protocols.answer_turn import CollectedReply, TurnEvent
 from semantic.protocols.common import SseWriter
 from semantic.protocols.errors import ApiError
-from semantic.protocols.pipeline import CollectedReply, TurnEvent
 from semantic.protocols.reasoning import ThinkingEnd, ThinkingPart
 from semantic.protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallStart
 

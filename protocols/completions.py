@@ -16,12 +16,12 @@ from aiohttp import web
 
 from semantic.actors.interface import MAX_TOP_LOGPROBS, Finished, TokenLogprob
 from semantic.actors.turns import TurnRequest, TurnStarted
+from semantic.protocols.answer_turn import CollectedReply, Logprobs, TurnEvent, TurnReply, answer_turn
 from semantic.protocols.errors import ApiError
 from semantic.protocols.openai import PING_FRAME
 from semantic.protocols.openai_reply import FINISH_REASONS, LOWEST_LOGPROB, Usage, usage_of
 from semantic.protocols.openai_stream import OpenAIStream, reply_factory
 from semantic.protocols.openai_wire import StreamOptions
-from semantic.protocols.pipeline import CollectedReply, Logprobs, TurnEvent, TurnReply, answer_turn
 from semantic.protocols.tenancy import CacheSalt, request_agent_id, scoped_cache_salt
 from semantic.protocols.tool_parser import TextPart
 from semantic.protocols.wire_sampling import SamplingFields, sampling_of

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from semantic.actors.interface import Finished, PromptStarted, TokenLogprob
 from semantic.actors.turns import TurnRequest, TurnStarted
+from semantic.protocols.answer_turn import CollectedReply, Logprobs, TurnEvent, TurnReply, answer_turn
 from semantic.protocols.errors import ApiError
 from semantic.protocols.openai_reply import (
     FINISH_REASONS,
@@ -41,7 +42,6 @@ from semantic.protocols.openai_wire import (
     tool_choice,
     top_logprobs,
 )
-from semantic.protocols.pipeline import CollectedReply, Logprobs, TurnEvent, TurnReply, answer_turn
 from semantic.protocols.reasoning import ThinkingPart
 from semantic.protocols.tenancy import request_agent_id, scoped_cache_salt
 from semantic.protocols.tool_parser import TextPart, ToolArgumentsDelta, ToolCallEnd, ToolCallStart

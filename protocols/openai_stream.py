@@ -11,11 +11,11 @@ from typing import Generic, TypeVar
 
 from semantic.actors.interface import Finished, TokenLogprob
 from semantic.actors.turns import TurnStarted
+from semantic.protocols.answer_turn import Logprobs, ReplyFactory, TurnEvent, TurnReply
 from semantic.protocols.common import SseWriter
 from semantic.protocols.errors import ApiError, OpenAIError, OpenAIErrorDetail
 from semantic.protocols.openai_reply import Usage, usage_of
 from semantic.protocols.openai_wire import StreamOptions
-from semantic.protocols.pipeline import Logprobs, ReplyFactory, TurnEvent, TurnReply
 
 Piece = TypeVar("Piece")  # what one chunk carries: a chat delta, or text
 Choice = TypeVar("Choice")

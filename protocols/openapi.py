@@ -15,7 +15,7 @@ from semantic.actors.interface import (
     SamplingParams,
 )
 from semantic.protocols import agents, anthropic, anthropic_reply, completions, openai_reply, openai_wire
-from semantic.protocols.admin import LoadModel
+from semantic.protocols.admin import LoadModelBody
 from semantic.protocols.errors import AgentError, AnthropicError, OpenAIError
 
 # One server-sent event (before Open API 3.2's `itemSchema`, a stream's `schema` describes each event).
@@ -167,7 +167,7 @@ def build() -> dict[str, Any]:
         agents.CreateAgent,
         agents.AgentTurn,
         agents.TurnResult,
-        LoadModel,
+        LoadModelBody,
         AnthropicError,
         OpenAIError,
         AgentError,
@@ -244,7 +244,7 @@ def build() -> dict[str, Any]:
                 },
             }
         },
-        "/admin/models/load": {"post": _operation("Switch the loaded model", AgentError, LoadModel)},
+        "/admin/models/load": {"post": _operation("Switch the loaded model", AgentError, LoadModelBody)},
         "/admin/models/unload": {"post": _operation("Unload the model", AgentError)},
     }
     return {

@@ -11,7 +11,7 @@ import msgspec
 from aiohttp import web
 
 from semantic.actors.interface import SamplingParams
-from semantic.protocols.pipeline import sampling_params
+from semantic.protocols.answer_turn import sampling_params
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):

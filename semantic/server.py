@@ -32,7 +32,7 @@ from semantic.engine.distributed import (
     launched_group,
     layout_of,
 )
-from semantic.engine.follower import FollowerCore
+from semantic.engine.follower_loop import FollowerLoop
 from semantic.engine.lockstep import Follower, GroupDivergedError
 from semantic.engine.registry import ModelEntry
 from semantic.protocols.app import create_app
@@ -142,7 +142,7 @@ def run_follower(config: SystemConfig) -> int:
     collectives = Collectives(group, engine_config.rank_timeout_s)
     files = ShardFiles(config.cache_dir, layout)
     follower = Follower(collectives, layout, files, heartbeat_s(engine_config.rank_timeout_s))
-    core = FollowerCore(engine_config, EngineStats(), follower)
+    core = FollowerLoop(engine_config, EngineStats(), follower)
     _follow_signals(layout.rank)
     logger.info(
         "rank {} of {} ({} parallel, {}): following rank 0",

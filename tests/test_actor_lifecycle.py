@@ -104,15 +104,15 @@ async def test_a_library_panic_fails_its_turn_and_the_system_serves_on(
         engine=EngineConfig(model=str(default_model_dir), cache_budget_mb=256), cache_dir=tmp_path
     )
     async with AgentSystem(config) as system:
-        tokenize = system.models.tokenize
+        in_worker = system.models.in_tokenizer_worker
         panics = [PanicException("called `Option::unwrap()` on a `None` value")]
 
         async def panics_once(*args: object) -> object:
             if panics:
                 raise panics.pop()
-            return await tokenize(*args)  # type: ignore[arg-type]
+            return await in_worker(*args)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(system.models, "tokenize", panics_once)
+        monkeypatch.setattr(system.models, "in_tokenizer_worker", panics_once)
 
         def turn() -> TurnRequest:
             return TurnRequest(

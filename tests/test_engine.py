@@ -22,19 +22,19 @@ from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.commands import (
     Cancel,
     Drain,
-    Envelope,
     InspectPool,
     ListCaches,
     Message,
+    PendingAsk,
     ReferenceGenerate,
     RestoreCache,
     Shutdown,
     Submit,
 )
 from semantic.engine.engine import Engine, EngineConfig, EngineError, PromptTooLongError, RequestStream
+from semantic.engine.leader_loop import unanswered
 from semantic.engine.messages import Finished, FinishReason, GenerationRequest, PromptStarted, TokenDelta
 from semantic.engine.sampling import SamplingParams
-from semantic.engine.serving import unanswered
 from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -349,8 +349,8 @@ async def test_a_tick_keeps_no_answered_ask_so_a_restored_cache_is_freed_before_
     loop = asyncio.get_running_loop()
     tensors = {"tokens": np.arange(4, dtype=np.int32), "full.0.keys": np.zeros((1, 1, 4, 2), np.float32)}
     held = weakref.ref(tensors["full.0.keys"])
-    restore = Envelope(RestoreCache(SerializedCache("a", tensors, [], 4), "fp"), loop.create_future(), loop)
-    drain = Envelope(Drain(1.0, "test"), loop.create_future(), loop)
+    restore = PendingAsk(RestoreCache(SerializedCache("a", tensors, [], 4), "fp"), loop.create_future(), loop)
+    drain = PendingAsk(Drain(1.0, "test"), loop.create_future(), loop)
     submit_ = Submit(GenerationRequest("r", [1, 2], SamplingParams()), events=None)  # type: ignore[arg-type]
     cancel, shutdown = Cancel("r"), Shutdown()
     messages: list[Message] = [restore, submit_, drain, cancel, shutdown]

@@ -15,7 +15,7 @@ from semantic.engine.cache_matching import ANONYMOUS_PREFIX
 from semantic.engine.cache_spec import LayerKind, ModelCacheSpec
 from semantic.engine.eviction import LRU, EvictionPolicy
 from semantic.engine.scheduler import make_room, pool_summary
-from semantic.engine.step_plan import Evict, plan_room
+from semantic.engine.tick_schedule import Evict, plan_room
 from semantic.storage.agent_id import AgentId
 from semantic.storage.disk_budget import DiskBudget
 

@@ -55,7 +55,7 @@ class Driver:
         self.events[submit.request.request_id] = []
 
     def tick(self, now: float) -> None:
-        self.scheduler.admit(self.runtime, self.config, self.outbox, now)
+        self.scheduler.plan_and_apply(self.runtime, self.config, self.outbox, now)
         self.runtime.batch.step()
         deliver(self.runtime, self.outbox, self.loop)
         self.step += 1

@@ -101,11 +101,11 @@ def test_a_request_no_running_sequence_can_make_room_for_fails_instead_of_waitin
     try:
         running = submit(runtime, loop, prompt, 1)  # it holds the last block until it ends
         scheduler.add(waiting)
-        scheduler.admit(runtime, config, outbox)
+        scheduler.plan_and_apply(runtime, config, outbox)
         assert len(scheduler) == 1  # the running sequence will free its block: wait
 
         runtime.batch.cancel(running.request.request_id)
-        scheduler.admit(runtime, config, outbox)
+        scheduler.plan_and_apply(runtime, config, outbox)
         outbox.flush()
         loop.run_until_complete(asyncio.sleep(0))
 

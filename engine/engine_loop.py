@@ -3,8 +3,8 @@ the block pool and the MLX stream.
 
 A tick applies what arrived (requests, cancels, commands), admits what fits, steps the batch
 once and posts every request's new events. Where ticks come from is the subclass's part:
-`ServingCore` (engine/serving.py) takes them from its inbox, as a lone process or rank 0 of a
-group; `FollowerCore` (engine/follower.py) receives them from rank 0.
+`LeaderLoop` (engine/leader_loop.py) takes them from its inbox, as a lone process or rank 0 of a
+group; `FollowerLoop` (engine/follower_loop.py) receives them from rank 0.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ LOAD_TIMEOUT_S = 1800.0  # in a group, a tick that loads a model: the slowest ra
 MEMORY_REPORT_S = 2.0  # in a group, how often the ranks report their memory to each other
 
 
-class EngineCore:
+class EngineLoop:
     """The engine thread's state; built on the event loop, then used by the engine thread only."""
 
     def __init__(
@@ -118,7 +118,7 @@ class EngineCore:
 
     @property
     def _lockstep(self) -> Lockstep | None:
-        """The group this rank runs ticks with: None alone (`ServingCore` and `FollowerCore` say)."""
+        """The group this rank runs ticks with: None alone (`LeaderLoop` and `FollowerLoop` say)."""
         return None
 
     # No local reference to the runtime may live across a tick's messages: an unload must free it.
@@ -134,7 +134,7 @@ class EngineCore:
             self._drains.count_failed(self._fail_everything(EngineError(fail_reason)))
         runtime = self._runtime
         if runtime is not None:
-            plan = self._scheduler.admit(runtime, self.config, self._outbox, now, chunk)
+            plan = self._scheduler.plan_and_apply(runtime, self.config, self._outbox, now, chunk)
             if len(runtime.batch):
                 runtime.batch.step(plan.chunk)
         self._update_stats()  # before the events: a client that saw its reply end sees it in the stats

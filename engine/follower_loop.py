@@ -28,15 +28,10 @@ from semantic.engine.commands import (
     UnloadModel,
 )
 from semantic.engine.config import EngineConfig, EngineStats
-from semantic.engine.core import EngineCore
 from semantic.engine.distributed import GroupLostError
+from semantic.engine.engine_loop import EngineLoop
 from semantic.engine.grammar import GrammarCompiler
-from semantic.engine.lockstep import Follower, GroupDivergedError, Lockstep, config_from
-from semantic.engine.messages import Event, EventChannel
-from semantic.engine.mlx_adapter.model_hooks import cpu_kernels_on_this_thread
-from semantic.engine.outbox import Outbox
-from semantic.engine.runtime import Runtime
-from semantic.engine.tick_plan import (
+from semantic.engine.group_tick import (
     CancelOp,
     DropOp,
     LoadOp,
@@ -50,6 +45,11 @@ from semantic.engine.tick_plan import (
     UnloadOp,
     request_of,
 )
+from semantic.engine.lockstep import Follower, GroupDivergedError, Lockstep, config_from
+from semantic.engine.messages import Event, EventChannel
+from semantic.engine.mlx_adapter.model_hooks import cpu_kernels_on_this_thread
+from semantic.engine.outbox import Outbox
+from semantic.engine.runtime import Runtime
 
 
 class _NoClients(Outbox):
@@ -65,7 +65,7 @@ class _NoClients(Outbox):
         pass
 
 
-class FollowerCore(EngineCore):
+class FollowerLoop(EngineLoop):
     def __init__(self, config: EngineConfig, stats: EngineStats, follower: Follower) -> None:
         # Never run: a request's event channel needs a loop to make its future; nothing awaits it.
         loop = asyncio.new_event_loop()

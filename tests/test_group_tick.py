@@ -14,14 +14,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from semantic.engine import tick_plan
+from semantic.engine import group_tick
 from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.commands import (
     Cancel,
     DropCache,
-    Envelope,
     InspectPool,
     ListCaches,
+    PendingAsk,
     RestoreCache,
     SnapshotCaches,
     Submit,
@@ -40,7 +40,7 @@ from tests.test_cache_file import SPEC, a_cache
 texts = st.text(max_size=20)
 maybe_texts = st.none() | texts
 submit_ops = st.builds(
-    tick_plan.SubmitOp,
+    group_tick.SubmitOp,
     request_id=texts,
     prompt_tokens=st.lists(st.integers(0, 2**31 - 1), max_size=50),
     sampling=st.builds(
@@ -62,22 +62,22 @@ submit_ops = st.builds(
 )
 ops = st.one_of(
     submit_ops,
-    st.builds(tick_plan.CancelOp, texts),
-    st.builds(tick_plan.ShutdownOp),
-    st.builds(tick_plan.LoadOp, texts, maybe_texts),
-    st.builds(tick_plan.RestoreOp, texts, texts, maybe_texts, st.integers(0, 10**6), texts),
-    st.builds(tick_plan.TakeOp, texts),
-    st.builds(tick_plan.DropOp, texts),
-    st.builds(tick_plan.ReferenceOp, st.lists(st.integers(0, 1000), max_size=10), st.integers(1, 100)),
+    st.builds(group_tick.CancelOp, texts),
+    st.builds(group_tick.ShutdownOp),
+    st.builds(group_tick.LoadOp, texts, maybe_texts),
+    st.builds(group_tick.RestoreOp, texts, texts, maybe_texts, st.integers(0, 10**6), texts),
+    st.builds(group_tick.TakeOp, texts),
+    st.builds(group_tick.DropOp, texts),
+    st.builds(group_tick.ReferenceOp, st.lists(st.integers(0, 1000), max_size=10), st.integers(1, 100)),
 )
 
 
 @given(st.lists(ops, max_size=8), maybe_texts)
 def test_a_plan_reaches_the_other_ranks_unchanged(
-    plan_ops: list[tick_plan.Op], fail_reason: str | None
+    plan_ops: list[group_tick.Op], fail_reason: str | None
 ) -> None:
-    plan = tick_plan.TickPlan(plan_ops, fail_reason, config_dict(EngineConfig()))
-    assert tick_plan.decode(tick_plan.encode(plan)) == plan
+    plan = group_tick.GroupTick(plan_ops, fail_reason, config_dict(EngineConfig()))
+    assert group_tick.decode(group_tick.encode(plan)) == plan
 
 
 def _submit(sampling: SamplingParams, agent_id: str | None = "ada", continues_text: bool = False) -> Submit:
@@ -88,15 +88,15 @@ def _submit(sampling: SamplingParams, agent_id: str | None = "ada", continues_te
 
 def test_a_sampled_request_gets_one_seed_on_every_rank() -> None:
     submit = _submit(SamplingParams(temperature=0.7, top_p=1.0, top_k=0))
-    op = tick_plan.op_for(submit)
-    assert isinstance(op, tick_plan.SubmitOp) and op.sampling.seed is not None
+    op = group_tick.op_for(submit)
+    assert isinstance(op, group_tick.SubmitOp) and op.sampling.seed is not None
     assert submit.request.sampling.seed == op.sampling.seed  # rank 0's own request draws with the same seed
-    assert tick_plan.request_of(op).sampling == submit.request.sampling
+    assert group_tick.request_of(op).sampling == submit.request.sampling
     assert op.queued_at == 12.5  # admission order follows rank 0's clock on every rank
 
     greedy = _submit(SamplingParams(temperature=0.0, top_p=1.0, top_k=0))
-    greedy_op = tick_plan.op_for(greedy)
-    assert isinstance(greedy_op, tick_plan.SubmitOp) and greedy_op.sampling.seed is None
+    greedy_op = group_tick.op_for(greedy)
+    assert isinstance(greedy_op, group_tick.SubmitOp) and greedy_op.sampling.seed is None
 
 
 def test_penalties_logit_bias_and_continued_text_reach_the_other_ranks() -> None:
@@ -111,12 +111,12 @@ def test_penalties_logit_bias_and_continued_text_reach_the_other_ranks() -> None
         logit_bias=((7, -100.0), (11, 2.5)),
         top_logprobs=3,  # rank 0's alone: the others send no events
     )
-    op = tick_plan.op_for(_submit(sampling, continues_text=True))
-    assert isinstance(op, tick_plan.SubmitOp)
-    plan = tick_plan.decode(tick_plan.encode(tick_plan.TickPlan([op], None, config_dict(EngineConfig()))))
+    op = group_tick.op_for(_submit(sampling, continues_text=True))
+    assert isinstance(op, group_tick.SubmitOp)
+    plan = group_tick.decode(group_tick.encode(group_tick.GroupTick([op], None, config_dict(EngineConfig()))))
     (received,) = plan.ops
-    assert isinstance(received, tick_plan.SubmitOp)
-    request = tick_plan.request_of(received)
+    assert isinstance(received, group_tick.SubmitOp)
+    request = group_tick.request_of(received)
     assert request.sampling == msgspec.structs.replace(sampling, top_logprobs=None)
     assert request.continues_text  # where stop strings match depends on it: every rank must agree
 
@@ -124,19 +124,19 @@ def test_penalties_logit_bias_and_continued_text_reach_the_other_ranks() -> None
 def test_only_what_changes_the_engine_is_shared() -> None:
     loop = asyncio.new_event_loop()
     reply: asyncio.Future[object] = loop.create_future()
-    assert tick_plan.op_for(Envelope(ListCaches(), reply, loop)) is None
-    assert tick_plan.op_for(Envelope(InspectPool(), reply, loop)) is None
-    assert tick_plan.op_for(Cancel("r1")) == tick_plan.CancelOp("r1")
-    assert tick_plan.op_for(Envelope(DropCache("ada"), reply, loop)) == tick_plan.DropOp("ada")
+    assert group_tick.op_for(PendingAsk(ListCaches(), reply, loop)) is None
+    assert group_tick.op_for(PendingAsk(InspectPool(), reply, loop)) is None
+    assert group_tick.op_for(Cancel("r1")) == group_tick.CancelOp("r1")
+    assert group_tick.op_for(PendingAsk(DropCache("ada"), reply, loop)) == group_tick.DropOp("ada")
     tokens = np.array([5, 6, 7], dtype=np.int32)
     cache = SerializedCache("ada", {"tokens": tokens}, [], 3)
-    op = tick_plan.op_for(Envelope(RestoreCache(cache, "fp"), reply, loop))
-    assert op == tick_plan.RestoreOp("ada", "fp", None, 3, tick_plan.tokens_digest([5, 6, 7]))
+    op = group_tick.op_for(PendingAsk(RestoreCache(cache, "fp"), reply, loop))
+    assert op == group_tick.RestoreOp("ada", "fp", None, 3, group_tick.tokens_digest([5, 6, 7]))
     # A flush's snapshot of one agent, with the digest its file states: the id travels as a plain str.
     snapshot = SnapshotCaches(AgentId("ada"), "digest")
-    op = tick_plan.op_for(Envelope(snapshot, reply, loop))
-    plan = tick_plan.decode(tick_plan.encode(tick_plan.TickPlan([op], None, config_dict(EngineConfig()))))
-    assert plan.ops == [tick_plan.SnapshotOp("ada", "digest")]
+    op = group_tick.op_for(PendingAsk(snapshot, reply, loop))
+    plan = group_tick.decode(group_tick.encode(group_tick.GroupTick([op], None, config_dict(EngineConfig()))))
+    assert plan.ops == [group_tick.SnapshotOp("ada", "digest")]
 
 
 @given(st.lists(st.integers(0, 2**20), max_size=64), st.lists(st.integers(0, 2**20), max_size=64))

@@ -1,4 +1,4 @@
-"""The tick's plan (engine/step_plan.py) from plain data, without a model: order, the max-wait rule,
+"""The tick's plan (engine/tick_schedule.py) from plain data, without a model: order, the max-wait rule,
 overtaking, refusals, room made by eviction, and what the slots and the pool allow."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from semantic.engine.eviction import EvictionPolicy
-from semantic.engine.step_plan import (
+from semantic.engine.tick_schedule import (
     Admit,
     BatchSummary,
     DropSharedState,
@@ -17,11 +17,10 @@ from semantic.engine.step_plan import (
     Overtake,
     PoolSummary,
     Refuse,
-    Resume,
-    StepPlan,
+    TickSchedule,
     WaitingEntry,
     plan_room,
-    plan_step,
+    schedule_tick,
 )
 
 NOW = 100.0
@@ -44,17 +43,19 @@ def pool(
     return PoolSummary(num_blocks, free, evictable or [], **fields)  # type: ignore[arg-type]
 
 
-def plan(waiting: list[WaitingEntry], batch_: BatchSummary, pool_: PoolSummary, **kwargs: object) -> StepPlan:
+def plan(
+    waiting: list[WaitingEntry], batch_: BatchSummary, pool_: PoolSummary, **kwargs: object
+) -> TickSchedule:
     options: dict[str, object] = {
         "now": NOW,
         "chunk": 64,
         "short_turn_tokens": SHORT,
         "max_wait_s": MAX_WAIT_S,
     }
-    return plan_step(waiting, batch_, pool_, **(options | kwargs))  # type: ignore[arg-type]
+    return schedule_tick(waiting, batch_, pool_, **(options | kwargs))  # type: ignore[arg-type]
 
 
-def admitted(step: StepPlan) -> list[int]:
+def admitted(step: TickSchedule) -> list[int]:
     return [a.position for a in step.admissions]
 
 
@@ -99,7 +100,7 @@ def test_a_request_larger_than_the_pool_and_one_of_another_model_are_refused() -
 def test_a_short_turn_overtakes_a_lone_long_prefill() -> None:
     lone = LonePrefill(uid=7, queued_at=NOW - 2, num_left_tokens=20_000)
     step = plan([entry(0, 300, agent_id="a")], batch(running=1, lone=lone), pool(free=10))
-    assert step.actions == [Overtake(7), Admit(0, 1), Resume(7)]
+    assert step.actions == [Overtake(7), Admit(0, 1)]
     assert step.overtaken == 7
 
 

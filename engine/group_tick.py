@@ -21,9 +21,9 @@ from semantic.engine.cache_tensors import tokens_digest
 from semantic.engine.commands import Cancel as CancelMessage
 from semantic.engine.commands import (
     DropCache,
-    Envelope,
     LoadModel,
     Message,
+    PendingAsk,
     ReferenceGenerate,
     RestoreCache,
     Shutdown,
@@ -113,7 +113,7 @@ Op = (
 )
 
 
-class TickPlan(msgspec.Struct):
+class GroupTick(msgspec.Struct):
     ops: list[Op] = []
     fail_reason: str | None = None  # every rank fails what runs and waits, with this reason
     config: dict[str, Any] | None = None  # the engine settings, when rank 0's changed
@@ -125,22 +125,22 @@ class Tick(msgspec.Struct):
     now: float  # rank 0's monotonic clock
     chunk: int  # prompt tokens the batch may prefill this tick
     token_digest: int  # rank 0's digest of every token generated before this tick
-    plan: TickPlan
+    plan: GroupTick
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(TickPlan)
+_decoder = msgspec.msgpack.Decoder(GroupTick)
 
 
-def encode(plan: TickPlan) -> bytes:
+def encode(plan: GroupTick) -> bytes:
     return _encoder.encode(plan)
 
 
-def decode(data: bytes) -> TickPlan:
+def decode(data: bytes) -> GroupTick:
     return _decoder.decode(data)
 
 
-def is_empty(plan: TickPlan) -> bool:
+def is_empty(plan: GroupTick) -> bool:
     return not plan.ops and plan.fail_reason is None and plan.config is None
 
 
@@ -156,7 +156,7 @@ def op_for(message: Message) -> Op | None:
             return CancelOp(request_id)
         case Shutdown():
             return ShutdownOp()
-        case Envelope(command=command):
+        case PendingAsk(command=command):
             match command:
                 case LoadModel(source=source, name=name):
                     return LoadOp(source, name)

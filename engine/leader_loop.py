@@ -22,23 +22,23 @@ from semantic.engine.cache_tensors import SerializedCache
 from semantic.engine.commands import (
     Cancel,
     Drain,
-    Envelope,
     LoadModel,
     Message,
+    PendingAsk,
     Shutdown,
     Submit,
     reject,
     resolve,
 )
 from semantic.engine.config import EngineConfig, EngineStats
-from semantic.engine.core import EngineCore
 from semantic.engine.distributed import GroupLostError
+from semantic.engine.engine_loop import EngineLoop
 from semantic.engine.errors import EngineError, as_ordinary
 from semantic.engine.lockstep import Leader, Lockstep, clock_now
 from semantic.engine.mlx_adapter.model_hooks import cpu_kernels_on_this_thread
 
 
-class ServingCore(EngineCore):
+class LeaderLoop(EngineLoop):
     def __init__(
         self,
         config: EngineConfig,
@@ -92,7 +92,7 @@ class ServingCore(EngineCore):
             now, began = clock_now(), time.perf_counter()
             chunk, digest = self._next_chunk(), self._token_digest()
             fail_reason = self._drains.expired_reason(now, self._is_busy)
-            loads = any(isinstance(m, Envelope) and isinstance(m.command, LoadModel) for m in messages)
+            loads = any(isinstance(m, PendingAsk) and isinstance(m.command, LoadModel) for m in messages)
             with self._tick_allowance(loads):
                 try:
                     if leader is not None:
@@ -140,7 +140,7 @@ class ServingCore(EngineCore):
             match message:
                 case Submit(events=events):
                     self._outbox.post(events, lost)
-                case Envelope():
+                case PendingAsk():
                     message.fail(lost)
         self._outbox.flush()
         self._drains.answer_all()
@@ -168,9 +168,9 @@ class ServingCore(EngineCore):
                     self._cancel(request_id)
                 case Shutdown():
                     stopping = True
-                case Envelope(command=Drain(timeout_s=timeout_s, reason=reason)):
+                case PendingAsk(command=Drain(timeout_s=timeout_s, reason=reason)):
                     self._drains.add(message, timeout_s, reason)
-                case Envelope(command=command):
+                case PendingAsk(command=command):
                     try:
                         message.answer(self._answer(command))
                     except GroupLostError:
@@ -185,4 +185,4 @@ def unanswered(messages: list[Message]) -> list[Message]:
     disk (the whole history's keys and values) is then freed before the turn it was read
     for is admitted, whose history takes that memory rather than fresh pages. A lost group still
     fails what is left (an answered ask has its answer)."""
-    return [m for m in messages if not isinstance(m, Envelope) or isinstance(m.command, Drain)]
+    return [m for m in messages if not isinstance(m, PendingAsk) or isinstance(m.command, Drain)]

@@ -1,9 +1,10 @@
 """What one engine tick does to the queue, the batch and the pool, decided by one pure function.
 
-`plan_step` takes plain data (the waiting requests, a summary of the batch, the pool's counts and
-its evictable caches in the eviction policy's order, the clock) and returns a `StepPlan`: an ordered
+`schedule_tick` takes plain data (the waiting requests, a summary of the batch, the pool's counts and
+its evictable caches in the eviction policy's order, the clock) and returns a `TickSchedule`: an ordered
 list of actions (evict, drop a shared state, refuse, set aside the lone long prefill, admit with
-its reservation, resume) and the prefill chunk; `Scheduler.apply` carries it out, in order. The
+its reservation) and the prefill chunk; `Scheduler.apply` carries it out, in order, and puts a
+prefill it set aside back last. The
 rules, as vLLM's scheduler or nano-vllm's `schedule()` keep them in one place:
 - a new prompt batch starts only once the last one is prefilled, except that a short turn (at most
   `short_turn_tokens` uncached) overtakes a lone long prompt part-way through its prefill;
@@ -13,8 +14,7 @@ rules, as vLLM's scheduler or nano-vllm's `schedule()` keep them in one place:
   sparing the policy's spared set (queued requests' caches while anything runs).
 The chunk is the prefill budget's (`prefill_budget.py`, chosen before the tick's messages);
 `Batch.step` still lets admitted short turns go in whole chunks, from the prompts it inserted.
-This is not `tick_plan.py` (what rank 0 shares with the other ranks of a group): the ranks replay
-rank 0's clock and chunk, and plan the same from them.
+In a group every rank schedules its own tick from rank 0's clock and chunk (`group_tick.py`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class Refuse(msgspec.Struct, frozen=True, tag=True):
 
 
 class Overtake(msgspec.Struct, frozen=True, tag=True):
-    """Set the lone long prefill aside (it goes back in by `Resume` after the admissions)."""
+    """Set the lone long prefill aside (back in once the admissions are applied, whatever became of them)."""
 
     uid: int
 
@@ -91,14 +91,10 @@ class Admit(msgspec.Struct, frozen=True, tag=True):
     num_reserved_blocks: int
 
 
-class Resume(msgspec.Struct, frozen=True, tag=True):
-    uid: int
+Action = Evict | DropSharedState | Refuse | Overtake | Admit
 
 
-Action = Evict | DropSharedState | Refuse | Overtake | Admit | Resume
-
-
-class StepPlan(msgspec.Struct, frozen=True):
+class TickSchedule(msgspec.Struct, frozen=True):
     actions: list[Action]
     chunk: int  # prompt tokens per prompt the step may prefill (before short turns go whole)
 
@@ -170,7 +166,7 @@ def admission_order(waiting: list[WaitingEntry], max_wait_s: float, now: float) 
     return overdue + sorted(rest, key=lambda w: w.num_uncached_tokens)
 
 
-def plan_step(
+def schedule_tick(
     waiting: list[WaitingEntry],
     batch: BatchSummary,
     pool: PoolSummary,
@@ -180,24 +176,26 @@ def plan_step(
     short_turn_tokens: int,
     max_wait_s: float,
     policy: EvictionPolicy = LRU,
-) -> StepPlan:
+) -> TickSchedule:
     """The tick's plan (see the module's docstring); `now` and `chunk` are rank 0's in a group."""
     actions: list[Action] = []
     if not waiting or batch.num_free_slots <= 0:
-        return StepPlan(actions, chunk)
+        return TickSchedule(actions, chunk)
     # Holding prompts while a batch prefills also lets the order pick among all that arrived.
     overtaken = _overtakable(batch, short_turn_tokens, max_wait_s, now) if batch.is_prefilling else None
     if batch.is_prefilling and overtaken is None:
-        return StepPlan(actions, chunk)
+        return TickSchedule(actions, chunk)
     view = PoolView(pool, policy)
     queue = _Queue(waiting, view, policy, batch.num_running)
     order = admission_order(waiting, max_wait_s, now)
     if overtaken is not None:
         first = order[0]
         if first.num_uncached_tokens > short_turn_tokens:
-            return StepPlan(actions, chunk)
+            return TickSchedule(actions, chunk)
         if first.num_blocks_needed > pool.num_blocks or queue.make_room(first, actions) is None:
-            return StepPlan(actions, chunk)  # the short turn cannot go in now: the long one keeps its place
+            return TickSchedule(
+                actions, chunk
+            )  # the short turn cannot go in now: the long one keeps its place
         actions.append(Overtake(overtaken))
         queue.num_running -= 1
     slots = batch.num_free_slots
@@ -221,9 +219,7 @@ def plan_step(
         queue.num_running += 1
         slots -= 1
         actions.append(Admit(entry.position, num_reserved))
-    if overtaken is not None:
-        actions.append(Resume(overtaken))
-    return StepPlan(actions, chunk)
+    return TickSchedule(actions, chunk)
 
 
 def plan_room(
