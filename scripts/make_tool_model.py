@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import hashlib
 import json
 import random
@@ -215,7 +216,12 @@ def main(argv: list[str] | None = None) -> Path:
     if args.train:
         recorded = recorded_sessions(args.claude, args.sessions, args.seed, args.recorded)
         train(base, recorded, args.adapter, args.steps, args.seed)
-    fuse(base, args.adapter, args.out)
+    # One build at a time (parallel test workers may all ask for it): a later one finds it built.
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out.parent / f".{args.out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if args.train or not is_fused_from(args.out, args.adapter):
+            fuse(base, args.adapter, args.out)
     print(args.out)
     return args.out
 

@@ -1,25 +1,32 @@
 from __future__ import annotations
 
-import compileall
+import contextlib
+import importlib.util
 import os
+import py_compile
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-import semantic
 from semantic.engine.default_model import ensure_default_model
 from tests.server_process import ServerProcess
 from tests.tiny_models import build_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from typecheck import package_sources
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile semantic's modules once, here: the servers the tests start (~55) import them, and where
     PYTHONDONTWRITEBYTECODE is set (as on the VMs this project is tested on) each would compile them
-    again (~0.25 s a start). The package's folders are links in a checkout, which compileall skips."""
-    package = Path(semantic.__file__).parent
-    for folder in {package, *(path.resolve() for path in package.iterdir() if path.is_dir())}:
-        compileall.compile_dir(folder, quiet=2)  # where it cannot write, nothing changes
+    again (~0.25 s a start)."""
+    root = Path(__file__).resolve().parents[1]
+    for source in package_sources():
+        path = str(root / str(source.path))
+        with contextlib.suppress(OSError):  # where it cannot write, nothing changes
+            py_compile.compile(path, cfile=importlib.util.cache_from_source(path), quiet=2)
 
 
 @pytest.fixture(scope="session")

@@ -35,8 +35,10 @@ TENANT_KEYS = {"alice": "sk-alice-0123456789abcdef", "bob": "sk-bob-fedcba987654
 TENANTS = st.sampled_from(sorted(TENANT_KEYS))
 TURN = {"content": "Hello there.", "max_tokens": 3, "temperature": 0}
 Owned = tuple[str, str]  # (tenant, agent id as its client knows it)
-# Bounded for the default suite; a longer soak: LIFECYCLE_EXAMPLES=50.
-NUM_EXAMPLES = int(os.environ.get("LIFECYCLE_EXAMPLES", "5"))
+# Bounded for the default suite; the soak (marked slow: `just test-slow`) runs SOAK_EXAMPLES, or
+# LIFECYCLE_EXAMPLES where set.
+NUM_EXAMPLES = 3
+SOAK_EXAMPLES = int(os.environ.get("LIFECYCLE_EXAMPLES", "30"))
 NUM_STEPS = 20
 
 
@@ -239,21 +241,31 @@ def tiny_llama_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFac
     return build_tiny_model("llama", tmp_path_factory.mktemp("machine-model"), default_model_dir)
 
 
-@pytest.mark.timeout(300 * NUM_EXAMPLES)  # each example starts (and restarts) its own servers
-def test_no_acknowledged_turn_is_lost_and_no_deleted_agent_comes_back(tiny_llama_dir: Path) -> None:
-    AgentLifecycle.model_dir = tiny_llama_dir
+def _run_machine(model_dir: Path, num_examples: int) -> None:
+    AgentLifecycle.model_dir = model_dir
     AgentLifecycle.num_steps_run = AgentLifecycle.num_restarts = 0
     run_state_machine_as_test(
         AgentLifecycle,
         settings=settings(
-            max_examples=NUM_EXAMPLES,
+            max_examples=num_examples,
             stateful_step_count=NUM_STEPS,
             deadline=None,
             suppress_health_check=list(HealthCheck),
         ),
     )
     print(  # the figures for the closing note (pytest -s shows them)
-        f"agent lifecycle: {NUM_EXAMPLES} examples, {AgentLifecycle.num_steps_run} steps, "
+        f"agent lifecycle: {num_examples} examples, {AgentLifecycle.num_steps_run} steps, "
         f"{AgentLifecycle.num_restarts} restarts or kills"
     )
-    assert AgentLifecycle.num_steps_run >= NUM_EXAMPLES
+    assert AgentLifecycle.num_steps_run >= num_examples
+
+
+@pytest.mark.timeout(300 * NUM_EXAMPLES)  # each example starts (and restarts) its own servers
+def test_no_acknowledged_turn_is_lost_and_no_deleted_agent_comes_back(tiny_llama_dir: Path) -> None:
+    _run_machine(tiny_llama_dir, NUM_EXAMPLES)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300 * SOAK_EXAMPLES)
+def test_the_lifecycle_soak_loses_no_turn_and_brings_back_no_deleted_agent(tiny_llama_dir: Path) -> None:
+    _run_machine(tiny_llama_dir, SOAK_EXAMPLES)
