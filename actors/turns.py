@@ -25,6 +25,7 @@ from semantic.engine.grammar import (
 from semantic.engine.loading import LoadedModel
 from semantic.engine.request_stream import RequestStream
 from semantic.engine.sampling import SamplingParams
+from semantic.engine.tool_call_grammars import Mode, Tools, call_grammars
 from semantic.engine.tool_format import HERMES, ToolFormat
 from semantic.storage.agent_id import AgentId
 
@@ -235,9 +236,7 @@ def output_grammar(chat: ChatFormat, turn: TurnRequest, forced: ForcedCall | Non
         return None
     arguments_key = _arguments_key(chat.forced_call_prefix("tool") or "")
     if arguments_key is None:  # calls are not JSON objects in this model's format
-        if strict:
-            raise GrammarError("tools: strict calls cannot be enforced in this model's tool-call format")
-        return None
+        return _tagged_calls_grammar(chat, turn, forced, guided)
     closer = chat.tool_call_closer
     if forced is not None:
         return OutputGrammar(tool_call_grammar(forced.name, arguments_key, tools, closer, "tools"))
@@ -261,6 +260,45 @@ def output_grammar(chat: ChatFormat, turn: TurnRequest, forced: ForcedCall | Non
     except GrammarError:
         return fallback
     return OutputGrammar(grammar, trigger, fallback, is_optional=True)
+
+
+def _tagged_calls_grammar(
+    chat: ChatFormat, turn: TurnRequest, forced: ForcedCall | None, guided: bool
+) -> OutputGrammar | None:
+    """`output_grammar` for the formats whose arguments are tagged values, not one JSON object
+    (engine/tool_call_grammars.py): strict tools exact, the others as close as the format allows."""
+    tools = turn.tools or []
+    strict = any(tool["function"].get("strict") for tool in tools)
+    grammars = call_grammars(chat.tool_format, chat.tokenizer)
+    if grammars is None:
+        if strict:
+            raise GrammarError("tools: strict calls cannot be enforced in this model's tool-call format")
+        return None
+
+    def held(loose: bool) -> Tools:
+        others: Mode = "loose" if loose else "best"
+        return [(tool, "exact" if tool["function"].get("strict") else others) for tool in tools]
+
+    if forced is not None:
+        return OutputGrammar(grammars.forced(forced.name, held(loose=False), "tools"))
+    if turn.tool_choice.mode == "none":
+        return None
+    if not guided:
+        only_strict: Tools = [(tool, "exact") for tool in tools if tool["function"].get("strict")]
+        return OutputGrammar(grammars.lazy(only_strict, "tools"), grammars.trigger)
+    try:
+        fallback = OutputGrammar(
+            grammars.lazy(held(loose=True), "tools"), grammars.trigger, is_optional=not strict
+        )
+    except GrammarError:
+        if strict:
+            raise
+        return None
+    try:
+        grammar = grammars.lazy(held(loose=False), "tools")
+    except GrammarError:
+        return fallback
+    return OutputGrammar(grammar, grammars.trigger, fallback, is_optional=True)
 
 
 def _call_trigger(chat: ChatFormat) -> tuple[str | None, str]:

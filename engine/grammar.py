@@ -31,6 +31,8 @@ from semantic.engine.schema_finiteness import has_finite_instance
 JSON_STYLE: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_CACHED_GRAMMARS = 64
+# Between the triggers of a lazy grammar that has several (no call marker holds a NUL).
+TRIGGER_SEPARATOR = "\x00"
 
 
 class GrammarError(ValueError):
@@ -44,7 +46,7 @@ class IncompleteOutputError(RuntimeError):
 
 def json_schema_grammar(schema: dict[str, Any], where: str) -> str:
     """The grammar of JSON text valid against `schema` (`where` names the field in errors)."""
-    _check_schema(schema, where)
+    check_schema(schema, where)
     try:
         return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)  # type: ignore[arg-type]
     except ValueError as error:
@@ -106,12 +108,13 @@ def _closing(closer: str | None) -> str:
 
 def _inline_json(function: dict[str, Any], where: str) -> str:
     schema = dict(function.get("parameters") or {"type": "object"})
-    _check_schema(schema, f"{where} {function['name']!r}")
+    check_schema(schema, f"{where} {function['name']!r}")
     schema["x-guidance"] = JSON_STYLE
     return "%json " + json.dumps(schema)
 
 
-def _check_schema(schema: dict[str, Any], where: str) -> None:
+def check_schema(schema: dict[str, Any], where: str) -> None:
+    """Raises GrammarError for a schema too large to compile or with no finite instance."""
     size = len(json.dumps(schema))
     if size > MAX_SCHEMA_BYTES:
         raise GrammarError(
@@ -130,7 +133,10 @@ class GrammarMatcher:
     the previous (masked) step, which the matcher consumes before masking again.
 
     With a `trigger` the grammar is lazy: text is free until the model writes the trigger (a tool
-    call's opening), then the grammar holds until it is complete (the call closed), and so on.
+    call's opening), then the grammar holds until it allows nothing but the reply's end (the call
+    closed; where its closer is optional, the reply may end instead), and so on. The trigger may be
+    several, joined by TRIGGER_SEPARATOR (a call block and its inner block, which models also write
+    bare): the grammar then starts with the one the reply wrote, so it knows which.
     """
 
     def __init__(
@@ -146,7 +152,7 @@ class GrammarMatcher:
         self._template = template  # this sequence's own copy
         self._tokenizer = tokenizer
         self._eos_token_ids = eos_token_ids
-        self._trigger = trigger.encode() if trigger else None
+        self._triggers = [t.encode() for t in trigger.split(TRIGGER_SEPARATOR)] if trigger else []
         self._matcher: LLMatcher | None = None if trigger else template
         self._pending = b""  # free text since the last call, as far as it may still hold a trigger
         self._num_calls = 0
@@ -213,8 +219,12 @@ class GrammarMatcher:
             allowed[[t for t in self._eos_token_ids if t < vocab_size]] = True
         else:
             allowed = _allowed(matcher, vocab_size)
-            if _allows_only(allowed, self._eos_token_ids) and not matcher.is_accepting():
-                self.failure = "the output format allows no token that continues the reply"
+            if _allows_only(allowed, self._eos_token_ids):
+                if not matcher.is_accepting():
+                    self.failure = "the output format allows no token that continues the reply"
+                elif self._triggers:  # the call is closed: free text again
+                    self._matcher = None
+                    return None
         return allowed
 
     def check_complete(self) -> None:
@@ -227,21 +237,22 @@ class GrammarMatcher:
 
     def _consume(self, token: int) -> bool:
         """Feeds `token` to the grammar; returns whether the matcher that was current consumed it."""
-        matcher, trigger = self._matcher, self._trigger
+        matcher, triggers = self._matcher, self._triggers
         if matcher is not None:
             consumed = not matcher.is_stopped()
             if consumed:
                 matcher.consume_token(token)
-            if trigger is not None and matcher.is_accepting():
-                self._matcher = None  # the call is closed: free text again
             return consumed
-        assert trigger is not None, "a matcher without a trigger is never idle: GrammarMatcher bug"
+        assert triggers, "a matcher without a trigger is never idle: GrammarMatcher bug"
         self._pending += self._tokenizer.decode_bytes([token])
-        at = self._pending.find(trigger)
-        if at < 0:
-            self._pending = self._pending[-len(trigger) :]
+        found = [(at, trigger) for trigger in triggers if (at := self._pending.find(trigger)) >= 0]
+        if not found:
+            self._pending = self._pending[-max(map(len, triggers)) :]
             return False
+        at, trigger = min(found)
         rest, self._pending = self._pending[at + len(trigger) :], b""
+        if len(triggers) > 1:  # the grammar starts with the trigger, to tell which opened the call
+            rest = trigger + rest
         self._matcher = self._template.deep_copy()
         if rest:  # the token that completed the trigger also began the call
             self._matcher.consume_tokens(self._tokenizer.tokenize_bytes(rest))

@@ -1,12 +1,16 @@
 """Tool calls guided by their tools' schemas once opened (issue 80): the real tool test model behind
 a real server, called with the official `anthropic` SDK and checked with `jsonschema`. A call the
 model chooses to write is held to the declared names and schemas; `--tool-calls free` leaves it as
-before; a call the reply opened in the client's prefill and cut by max_tokens is still a call."""
+before; a call the reply opened in the client's prefill and cut by max_tokens is still a call. The
+same for the formats whose arguments are not one JSON object (Qwen3-Coder, GLM-4.7, MiniMax-M2,
+pythonic), with the default model copying calls and random models sampling them, called with the
+official `openai` SDK."""
 
 from __future__ import annotations
 
 import copy
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,12 +20,14 @@ from typing import Any
 
 import anthropic
 import jsonschema
+import openai
 import pytest
 
 from semantic.engine.tool_format import detect_tool_format
 from semantic.protocols.tool_parser import TextPart, ToolCallEnd, ToolCallParser
 from tests.server_process import ServerProcess
-from tests.tool_call_samples import TOOLS, tokenizer_for
+from tests.tiny_models import TINY_CONFIGS, write_random_model
+from tests.tool_call_samples import BY_KEY, TOOLS, tokenizer_for
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 import make_tool_model
@@ -151,3 +157,230 @@ def test_a_qwen3_coder_call_without_its_tool_call_opener_is_read_as_a_call() -> 
     assert calls == [("get_weather", {"city": "Paris"})], parts
     text = "".join(part.text for part in parts if isinstance(part, TextPart))
     assert "<function=" not in text and text.split() == ["Let", "me", "check.", "Done."], text
+
+
+# The formats whose arguments are not one JSON object (engine/tool_call_grammars.py), behind a real
+# server: the default model, with a family's chat template, copies the calls it sees in its prompt
+# (greedy); a random model, pushed towards a call's opening by a logit bias, writes the rest at
+# temperature 1.0 under the grammar.
+
+WEATHER_EXAMPLES = ("Oslo", "Rome", "Lima")
+ANSWER_FOR = "Paris"
+DAYS = {"type": "integer", "minimum": 1, "maximum": 7}
+MAX_SAMPLED = 300
+
+
+def template_model(source: Path, key: str, dest: Path) -> Path:
+    """The model at `source` with `key`'s chat template (tests/tool_call_samples.py)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        if path.suffix == ".safetensors":
+            (dest / path.name).symlink_to(path)
+        elif path.is_file():
+            shutil.copy(path, dest / path.name)
+    folder = Path(tokenizer_for(key).name_or_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(folder / name, dest / name)
+    return dest
+
+
+def weather_tool(properties: dict[str, Any], strict: bool) -> dict[str, Any]:
+    schema = {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+    function = {"name": "get_weather", "description": "Weather for a city", "parameters": schema}
+    return {"type": "function", "function": {**function, "strict": strict}}
+
+
+def copied_call_messages(key: str, bare: bool = False) -> list[dict[str, Any]]:
+    """Earlier turns answered with the family's call (Qwen3-Coder's `bare`: without <tool_call>)."""
+    call = BY_KEY[key].call
+    if bare:
+        call = call.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+    messages: list[dict[str, Any]] = []
+    for city in WEATHER_EXAMPLES:
+        messages += [
+            {"role": "user", "content": f"What is the weather in {city} for 3 days?"},
+            {"role": "assistant", "content": call.replace("Paris", city)},
+        ]
+    return [*messages, {"role": "user", "content": f"What is the weather in {ANSWER_FOR} for 3 days?"}]
+
+
+def completion(server: ServerProcess, messages: list[dict[str, Any]], **options: Any) -> Any:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    return client.chat.completions.create(model="default", messages=messages, **options)
+
+
+def chat(server: ServerProcess, messages: list[dict[str, Any]], **options: Any) -> Any:
+    return completion(server, messages, **options).choices[0]
+
+
+def reply_tokens(choice: Any) -> list[str]:
+    return [token.token for token in choice.logprobs.content]  # the reply's tokens, as text
+
+
+@pytest.fixture(scope="module", params=["qwen3_coder", "glm47"])
+def copying(
+    request: pytest.FixtureRequest, default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, ServerProcess]]:
+    key = request.param
+    model = template_model(default_model_dir, key, tmp_path_factory.mktemp(f"{key}-model"))
+    for server in _server(tmp_path_factory.mktemp(key), model):
+        yield key, server
+
+
+def test_a_strict_tool_in_an_xml_format_is_enforced_and_changes_no_valid_call(
+    copying: tuple[str, ServerProcess],
+) -> None:
+    """A strict tool was a 400 in these formats. Greedy, the reply that already was a valid call
+    (the reference: the same prompt, tool_choice none, no grammar) is token for token the same
+    under the strict tool's grammar; one that was not is held to the schema."""
+    key, server = copying
+    messages = copied_call_messages(key)
+    options: dict[str, Any] = {"temperature": 0.0, "max_tokens": 72, "logprobs": True}
+    exact = weather_tool({"city": {"type": "string"}, "days": {"type": "integer"}}, strict=True)
+    free = chat(server, messages, tools=[exact], tool_choice="none", **options)
+    assert free.message.content.startswith(BY_KEY[key].call.replace("Paris", ANSWER_FOR)[:12]), free.message
+    held = chat(server, messages, tools=[exact], **options)
+    assert held.finish_reason == "tool_calls", held.message
+    assert "|".join(reply_tokens(held)) == "|".join(reply_tokens(free))
+    (call,) = held.message.tool_calls or []
+    assert json.loads(call.function.arguments) == {"city": ANSWER_FOR, "days": 3}
+
+    units = {"type": "string", "enum": ["metric", "imperial"]}
+    stricter = weather_tool({"city": {"type": "string"}, "days": DAYS, "units": units}, strict=True)
+    held = chat(server, messages, tools=[stricter], **options)
+    (call,) = held.message.tool_calls or []
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, stricter["function"]["parameters"])
+    assert arguments["city"] == ANSWER_FOR and held.finish_reason == "tool_calls"
+
+
+def test_a_qwen3_coder_call_without_its_opener_is_guided_and_comes_back_as_a_call(
+    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Qwen3-Coder's known failure (Ollama 16686, 18530): `<function=...>` written without the
+    `<tool_call>` around it. The model copies such calls, which never name `days`; the guided
+    grammar, triggered by the bare opening, completes the call to its schema."""
+    model = template_model(default_model_dir, "qwen3_coder", tmp_path_factory.mktemp("bare-model"))
+    bare = copied_call_messages("qwen3_coder", bare=True)
+    for message in bare[1::2]:
+        message["content"] = message["content"].replace("<parameter=days>\n3\n</parameter>\n", "")
+    tool = weather_tool({"city": {"type": "string"}, "days": DAYS}, strict=False)
+    for server in _server(tmp_path_factory.mktemp("bare"), model):
+        reference = chat(server, bare, tools=[tool], tool_choice="none", temperature=0.0, max_tokens=60)
+        assert reference.message.content.startswith("<function=get_weather>"), reference.message
+        assert "<parameter=days>" not in reference.message.content
+        choice = chat(server, bare, tools=[tool], temperature=0.0, max_tokens=80)
+        assert choice.finish_reason == "tool_calls", choice.message
+        assert not choice.message.content or "<function=" not in choice.message.content
+        (call,) = choice.message.tool_calls or []
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, tool["function"]["parameters"])
+        assert call.function.name == "get_weather" and arguments["city"] == ANSWER_FOR
+
+
+# Each family's call tags as a random model's added tokens, special where its real models' are.
+MARKERS = {
+    "qwen3_coder": {"<tool_call>": False, "</tool_call>": False},
+    "glm47": {
+        t: True
+        for t in ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+    },
+    "minimax_m2": {"<minimax:tool_call>": True, "</minimax:tool_call>": True},
+    "pythonic": {"<|tool_call_start|>": True, "<|tool_call_end|>": True},
+}
+BOUNDED = {
+    "path": {"type": "string", "maxLength": 8},
+    "mode": {"type": "string", "enum": ["read", "write"]},
+    "count": {"type": ["integer", "null"]},
+    "force": {"type": "boolean"},
+    "range": {
+        "type": "object",
+        "properties": {
+            "start": {"type": "integer", "minimum": 0, "maximum": 99},
+            "tag": {"type": "string", "maxLength": 3},
+        },
+        "required": ["start"],
+        "additionalProperties": False,
+    },
+}
+
+
+def random_model_with_markers(key: str, dest: Path) -> Path:
+    """A random tiny model with `key`'s chat template and call tags as tokens of their own."""
+    folder = Path(tokenizer_for(key).name_or_path)
+    base = json.loads((folder / "tokenizer.json").read_text())
+    num_base = len(base["model"]["vocab"])
+    markers = MARKERS[key]
+    write_random_model(dict(TINY_CONFIGS["llama"], vocab_size=num_base + len(markers)), dest, folder)
+    added = [
+        {"id": num_base + i, "content": marker, "single_word": False, "lstrip": False, "rstrip": False}
+        | {"normalized": False, "special": special}
+        for i, (marker, special) in enumerate(markers.items())
+    ]
+    base["added_tokens"] += added
+    (dest / "tokenizer.json").write_text(json.dumps(base))
+    config = json.loads((dest / "tokenizer_config.json").read_text())
+    config.setdefault("added_tokens_decoder", {}).update(
+        {str(token["id"]): {k: v for k, v in token.items() if k != "id"} for token in added}
+    )
+    (dest / "tokenizer_config.json").write_text(json.dumps(config))
+    return dest
+
+
+@pytest.mark.parametrize("key", ["qwen3_coder", "glm47", "minimax_m2", "pythonic"])
+def test_a_random_models_sampled_calls_in_an_xml_format_are_valid_or_it_writes_text(
+    key: str, default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A random model at temperature 1.0, its call opening and its end of reply made likely (logit
+    bias): each reply is text, or calls valid against their tools' schemas (guided), never a
+    malformed call; a forced call is one too."""
+    model = random_model_with_markers(key, tmp_path_factory.mktemp(f"{key}-random"))
+    num_base = json.loads((model / "config.json").read_text())["vocab_size"] - len(MARKERS[key])
+    opening = num_base  # the first marker opens a call
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "write_file", "parameters": _closed(BOUNDED, ["path", "count"])},
+        },
+        {
+            "type": "function",
+            "function": {"name": "tag_range", "parameters": _closed(BOUNDED, ["range"], ("force", "mode"))},
+        },
+    ]
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+    messages = [{"role": "user", "content": "Write the notes file."}]
+    # As likely to open a call as to end: a reply is text, or as many calls as it chose to write.
+    bias = {str(opening): 10.0, "2": 10.0}  # 2: <|im_end|>, the end of the reply
+    options: dict[str, Any] = {
+        "tools": tools,
+        "temperature": 1.0,
+        "max_tokens": MAX_SAMPLED,
+        "logit_bias": bias,
+    }
+    for server in _server(tmp_path_factory.mktemp(f"{key}-sampled"), model):
+        with ThreadPoolExecutor(NUM_TURNS) as pool:
+            asked = [pool.submit(completion, server, messages, seed=seed, **options) for seed in range(8)]
+            replies = [reply.result() for reply in asked]
+        forced = completion(server, messages, tools=tools, temperature=1.0, tool_choice="required", seed=0)
+        num_calls = 0
+        for reply in [*replies, forced]:
+            choice = reply.choices[0]
+            is_cut = reply.usage.completion_tokens >= MAX_SAMPLED  # its last call may be unfinished
+            if not is_cut:
+                assert not any(marker in (choice.message.content or "") for marker in MARKERS[key]), choice
+            ending = "tool_calls" if choice.message.tool_calls else "length" if is_cut else "stop"
+            assert choice.finish_reason == ending, choice
+            for call in choice.message.tool_calls or []:
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+                num_calls += 1
+        assert forced.choices[0].message.tool_calls and num_calls > 1, replies
+
+
+def _closed(properties: dict[str, Any], required: list[str], more: tuple[str, ...] = ()) -> dict[str, Any]:
+    chosen = {name: properties[name] for name in (*required, *more)}
+    return {"type": "object", "properties": chosen, "required": required, "additionalProperties": False}
