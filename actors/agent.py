@@ -36,10 +36,12 @@ from semantic.actors.agent_messages import (
 )
 from semantic.actors.cache_miss import CacheReport, RequestDigest, TurnNote, history_of
 from semantic.actors.cache_notes import CacheNotes, explain_turn
+from semantic.actors.engine_client import Engine
 from semantic.actors.history_marks import HistoryMark, HistoryMarks
 from semantic.actors.kept_conversation import KeptConversation
 from semantic.actors.model_session import ModelSession
 from semantic.actors.models import ModelHost
+from semantic.actors.request_stream import RequestStream
 from semantic.actors.restore_cost import RestoreCosts, RestoreDecision, Totals
 from semantic.actors.turn_prompt import build_request
 from semantic.actors.turns import (
@@ -47,14 +49,12 @@ from semantic.actors.turns import (
     TurnRequest,
     TurnStarted,
 )
-from semantic.engine.commands import DropCache, RestoreCache, SnapshotCaches
-from semantic.engine.engine import Engine
-from semantic.engine.errors import EngineError, LibraryPanic, UnsteppableCacheError, as_ordinary
-from semantic.engine.mailbox import Envelope, Mailbox, reply_to
-from semantic.engine.messages import Finished, FinishReason, GenerationRequest
-from semantic.engine.request_stream import RequestStream
+from semantic.engine.loop.commands import DropCache, RestoreCache, SnapshotCaches, reply_to
+from semantic.engine.loop.errors import EngineError, LibraryPanic, UnsteppableCacheError, as_ordinary
+from semantic.engine.loop.messages import Finished, FinishReason, GenerationRequest
 from semantic.storage.agent_id import AgentId
 from semantic.storage.conversation_file import ConversationRecord
+from semantic.storage.mailbox import Envelope, Mailbox
 
 Explained = tuple[CacheReport, RequestDigest | None]  # a turn's x-semantic-cache report, and its digest
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from semantic.engine.cache_matching import common_prefix_length
-from semantic.engine.chat_format import ChatFormat, ChatMessage, ChatTemplateError
+from semantic.actors.prompting.chat_format import ChatFormat, ChatMessage, ChatTemplateError
+from semantic.engine.cache_store.cache_matching import common_prefix_length
 
 if TYPE_CHECKING:  # turns.py imports CacheReport from here
     from semantic.actors.turns import TurnRequest

@@ -14,8 +14,8 @@ from typing import Any
 
 from loguru import logger
 
-from semantic.engine.cache_tensors import SerializedCache
-from semantic.engine.eviction import LRU, EvictionPolicy
+from semantic.engine.cache_store.cache_tensors import SerializedCache
+from semantic.engine.cache_store.eviction import LRU, EvictionPolicy
 from semantic.storage.persistence import PersistenceActor
 
 
@@ -29,7 +29,7 @@ class EvictedWrites:
 
     def __init__(self, max_bytes: int, policy: EvictionPolicy = LRU) -> None:
         self.max_bytes = max_bytes
-        self.policy = policy  # whether a cache goes to disk or is dropped (`engine/eviction.py`)
+        self.policy = policy  # whether a cache goes to disk or is dropped (`engine/cache_store/eviction.py`)
         self.num_waiting_bytes = 0
         self.num_dropped = 0
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from semantic.actors.turns import TurnRequest
-from semantic.engine.messages import Finished, PromptStarted, TokenDelta
-from semantic.engine.sampling import SamplingParams
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.messages import Finished, PromptStarted, TokenDelta
 from semantic.storage.agent_id import AgentId
 
 if TYPE_CHECKING:

@@ -11,15 +11,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from semantic.engine.chat_format import ChatMessage
-from semantic.engine.config import EngineStats
-from semantic.engine.errors import EngineError, PromptTooLongError
-from semantic.engine.messages import Event, Finished, FinishReason, PromptProgress, PromptStarted, TokenDelta
-from semantic.engine.registry import ModelEntry, UnknownModelError
-from semantic.engine.request_stream import RequestStream
-from semantic.engine.sampling import MAX_LOGIT_BIASES, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
-from semantic.engine.token_logprobs import TokenLogprob
-from semantic.engine.tool_format import HERMES, ToolFormat, ToolSchemas
+from semantic.actors.model_registry import ModelEntry, UnknownModelError
+from semantic.actors.prompting.chat_format import ChatMessage
+from semantic.actors.prompting.tool_format import HERMES, ToolFormat, ToolSchemas
+from semantic.actors.request_stream import RequestStream
+from semantic.engine.decoding.sampling import MAX_LOGIT_BIASES, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
+from semantic.engine.decoding.token_logprobs import TokenLogprob
+from semantic.engine.loop.config import EngineStats
+from semantic.engine.loop.errors import EngineError, PromptTooLongError
+from semantic.engine.loop.messages import (
+    Event,
+    Finished,
+    FinishReason,
+    PromptProgress,
+    PromptStarted,
+    TokenDelta,
+)
 from semantic.storage.agent_id import (
     MAX_AGENT_ID_LENGTH,
     NAMESPACE_PATTERN,
@@ -31,7 +38,7 @@ from semantic.storage.persistence import PersistenceStoppedError
 
 if TYPE_CHECKING:
     from semantic.actors.system import AgentSystem
-    from semantic.engine.backend_profile import BackendProfile
+    from semantic.engine.loop.backend_profile import BackendProfile
 
 __all__ = [
     "HERMES",

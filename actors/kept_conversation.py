@@ -12,7 +12,7 @@ import time
 
 from semantic.actors.model_session import ModelSession
 from semantic.actors.turns import PreparedPrompt
-from semantic.engine.messages import Finished, FinishReason
+from semantic.engine.loop.messages import Finished, FinishReason
 from semantic.storage.agent_id import AgentId
 from semantic.storage.conversation_file import ConversationRecord
 

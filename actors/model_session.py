@@ -7,10 +7,10 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from semantic.engine.chat_format import ChatFormat
-from semantic.engine.engine import EngineError
-from semantic.engine.grammar import GrammarCompiler
-from semantic.engine.loading import LoadedModel
+from semantic.actors.engine_client import EngineError
+from semantic.actors.prompting.chat_format import ChatFormat
+from semantic.engine.decoding.grammar_matcher import GrammarCompiler
+from semantic.engine.model.loading import LoadedModel
 from semantic.storage.persistence import PersistenceActor
 
 

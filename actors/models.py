@@ -31,7 +31,9 @@ from typing import Any, TypeVar
 import mlx.core as mx
 from loguru import logger
 
+from semantic.actors.engine_client import Engine, EngineConfig
 from semantic.actors.evicted_writes import EvictedWrites
+from semantic.actors.model_registry import ModelEntry, ModelRegistry
 from semantic.actors.model_session import (
     Holds,
     ModelLoadError,
@@ -40,12 +42,10 @@ from semantic.actors.model_session import (
     ModelUnavailableError,
     SwapReport,
 )
-from semantic.engine.cache_tensors import SerializedCache
-from semantic.engine.chat_format import ChatFormat
-from semantic.engine.commands import Drain, ListCaches, LoadModel, SnapshotCaches, UnloadModel
-from semantic.engine.engine import Engine, EngineConfig
-from semantic.engine.grammar import GrammarCompiler
-from semantic.engine.registry import ModelEntry, ModelRegistry
+from semantic.actors.prompting.chat_format import ChatFormat
+from semantic.engine.cache_store.cache_tensors import SerializedCache
+from semantic.engine.decoding.grammar_matcher import GrammarCompiler
+from semantic.engine.loop.commands import Drain, ListCaches, LoadModel, SnapshotCaches, UnloadModel
 from semantic.storage.cache_file import identity_of
 from semantic.storage.persistence import PersistenceActor
 

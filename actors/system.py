@@ -17,16 +17,16 @@ from pathlib import Path
 from semantic.actors.agent import AgentActor
 from semantic.actors.agent_messages import EvictCache, IfExists, OpenConversation, StartTurn
 from semantic.actors.cache_notes import CacheNotes
+from semantic.actors.engine_client import Engine, EngineConfig
 from semantic.actors.handle import AgentHandle
 from semantic.actors.history_marks import HistoryMarks
+from semantic.actors.model_registry import ModelEntry, ModelRegistry
 from semantic.actors.models import ModelHost
 from semantic.actors.restore_cost import RestoreCosts
 from semantic.actors.turns import PromptBound, TurnRequest, TurnStarted, prepare_stateless
-from semantic.engine.cache_matching import is_anonymous
-from semantic.engine.commands import ListCaches
-from semantic.engine.default_model import user_cache_dir
-from semantic.engine.engine import Engine, EngineConfig
-from semantic.engine.registry import ModelEntry, ModelRegistry
+from semantic.engine.cache_store.cache_matching import is_anonymous
+from semantic.engine.loop.commands import ListCaches
+from semantic.engine.model.default_model import user_cache_dir
 from semantic.storage.agent_id import AgentId
 
 

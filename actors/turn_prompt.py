@@ -9,6 +9,7 @@ from msgspec.structs import replace
 from semantic.actors.heap import give_memory_back
 from semantic.actors.model_session import ModelSession
 from semantic.actors.models import ModelHost
+from semantic.actors.prompting.prompt_pins import block_aligned
 from semantic.actors.turns import (
     OutputGrammar,
     PreparedPrompt,
@@ -18,9 +19,8 @@ from semantic.actors.turns import (
     prepare_continuation,
     prepare_stateless,
 )
-from semantic.engine.cache_pins import block_aligned
-from semantic.engine.grammar import GrammarError, GrammarMatcher
-from semantic.engine.messages import GenerationRequest
+from semantic.engine.decoding.grammar_matcher import GrammarError, GrammarMatcher
+from semantic.engine.loop.messages import GenerationRequest
 from semantic.storage.conversation_file import ConversationRecord
 
 LARGE_PROMPT_TOKENS = 100_000  # past this, the tokenizer's memory is handed back after each prompt

@@ -11,22 +11,23 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from semantic.actors.cache_miss import CacheReport
-from semantic.actors.restore_cost import RestoreDecision
-from semantic.engine.cache_pins import CacheBreakpoint, CachePin, prompt_pins
-from semantic.engine.chat_format import ChatFormat, ChatMessage
-from semantic.engine.errors import PromptTooLongError
-from semantic.engine.grammar import (
-    GrammarError,
+from semantic.actors.prompting.chat_format import ChatFormat, ChatMessage
+from semantic.actors.prompting.output_grammars import (
     json_schema_grammar,
     loosened,
     strict_calls_grammar,
     tool_call_grammar,
 )
-from semantic.engine.loading import LoadedModel
-from semantic.engine.request_stream import RequestStream
-from semantic.engine.sampling import SamplingParams
-from semantic.engine.tool_call_grammars import Mode, Tools, call_grammars
-from semantic.engine.tool_format import HERMES, ToolFormat
+from semantic.actors.prompting.prompt_pins import CacheBreakpoint, prompt_pins
+from semantic.actors.prompting.tool_call_grammars import Mode, Tools, call_grammars
+from semantic.actors.prompting.tool_format import HERMES, ToolFormat
+from semantic.actors.request_stream import RequestStream
+from semantic.actors.restore_cost import RestoreDecision
+from semantic.engine.cache_store.prefix_pins import CachePin
+from semantic.engine.decoding.grammar_matcher import GrammarError
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.errors import PromptTooLongError
+from semantic.engine.model.loading import LoadedModel
 from semantic.storage.agent_id import AgentId
 
 
@@ -113,8 +114,8 @@ class TurnRequest:
 
 @dataclass(frozen=True, slots=True)
 class OutputGrammar:
-    """The llguidance grammar (engine/grammar.py) the reply is decoded under: from its first token,
-    or, with a `trigger`, from each place the reply writes it (a tool call's opening) on.
+    """The llguidance grammar (actors/prompting/output_grammars.py) the reply is decoded under: from
+    its first token or, with a `trigger`, from each place the reply writes it (a tool call's opening) on.
 
     Guidance the server chose, not the client, never refuses a turn: where llguidance cannot compile
     it, the turn goes on under `fallback`, or free where `is_optional` and there is none."""
@@ -266,7 +267,7 @@ def _tagged_calls_grammar(
     chat: ChatFormat, turn: TurnRequest, forced: ForcedCall | None, guided: bool
 ) -> OutputGrammar | None:
     """`output_grammar` for the formats whose arguments are tagged values, not one JSON object
-    (engine/tool_call_grammars.py): strict tools exact, the others as close as the format allows."""
+    (actors/prompting/tool_call_grammars.py): strict tools exact, the others as close as the format allows."""
     tools = turn.tools or []
     strict = any(tool["function"].get("strict") for tool in tools)
     grammars = call_grammars(chat.tool_format, chat.tokenizer)

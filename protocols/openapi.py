@@ -81,7 +81,7 @@ _LIMITS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
 def _sampling_ranges() -> dict[str, dict[str, Any]]:
-    """Each SamplingParams field's bounds as JSON schema, read from the struct (engine/sampling.py
+    """Each SamplingParams field's bounds as JSON schema, read from the struct (engine/decoding/sampling.py
     states them once), under the name of the wire field that sets it."""
     _, components = msgspec.json.schema_components([SamplingParams])
     ranges = {}
@@ -98,7 +98,7 @@ SAMPLING_RANGES = _sampling_ranges()
 
 
 def _refine(components: dict[str, Any]) -> None:
-    """Rules the handlers check that the wire Structs do not state (engine/sampling.py's ranges,
+    """Rules the handlers check that the wire Structs do not state (engine/decoding/sampling.py's ranges,
     each API's own), so that generated valid requests are valid."""
     for request in ("MessagesRequest", "ChatCompletionRequest", "CompletionRequest", "AgentTurn"):
         properties = components[request]["properties"]

@@ -93,12 +93,12 @@ class EngineSection(_Section):
 
 
 class BackendSection(_Section):
-    """What runs on the device (engine/backend_profile.py); None: the device's default (on the CPU
+    """What runs on the device (engine/loop/backend_profile.py); None: the device's default (on the CPU
     our kernels and step variants, on a GPU mlx-lm's own)."""
 
     device: Literal["auto", "cpu", "gpu"] = "auto"  # auto: the GPU where this mlx has one
     exact_numerics: bool = False  # mlx-lm's own kernels and steps only, whatever the others say
-    cpu_kernels: bool | None = None  # our attention and SwiGLU (engine/cpu_attention.py)
+    cpu_kernels: bool | None = None  # our attention and SwiGLU (engine/cpu/cpu_attention.py)
     last_token_fold: bool | None = None  # a prompt's last token in its last chunk
     mixed_step: bool | None = None  # decode and a prompt's chunk in one forward pass
     joining_cache: bool | None = None  # joins and leaves at one copy of each running row

@@ -1,6 +1,6 @@
 """Tool calls out of generated text, streamed: text as it arrives, then each call once it is closed.
 
-The served model's format (`engine/tool_format.py`) gives the markers around a call block and the
+The served model's format (`actors/prompting/tool_format.py`) gives the markers around a call block and the
 parser of what is between them, both from mlx-lm. mlx-lm's own `TextStateMachine` splits the
 stream at the markers, holding back only what may be the start of one; a closed block goes to
 mlx-lm's `parse_tool_call` with the request's tools (its parsers type the arguments by the tools'

@@ -46,8 +46,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm import load
 
-from semantic.engine.chat_format import ChatFormat
-from semantic.engine.default_model import (
+from semantic.actors.prompting.chat_format import ChatFormat
+from semantic.engine.model.default_model import (
     default_model_dir,
     ensure_default_model,
     is_converted,

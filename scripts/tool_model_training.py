@@ -25,7 +25,7 @@ import mlx.optimizers as optim
 from mlx_lm.models.cache import KVCache
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-from semantic.engine import cpu_exp
+from semantic.engine.cpu import cpu_exp
 from semantic.engine.mlx_adapter import model_hooks
 
 Example = tuple[list[int], int]  # token ids of prompt plus reply, where the reply starts

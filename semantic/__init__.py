@@ -18,13 +18,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from semantic.actors.engine_client import EngineConfig
     from semantic.actors.handle import AgentHandle, TurnSummary
+    from semantic.actors.model_registry import ModelEntry, UnknownModelError
+    from semantic.actors.prompting.chat_format import ChatMessage
+    from semantic.actors.prompting.tool_format import HERMES, ToolFormat, ToolSchemas
+    from semantic.actors.request_stream import RequestStream
     from semantic.actors.system import AgentInfo, AgentSystem, SystemConfig
     from semantic.actors.turns import ToolChoice, TurnRequest, TurnStarted
-    from semantic.engine.chat_format import ChatMessage
-    from semantic.engine.engine import EngineConfig
-    from semantic.engine.errors import EngineError, PromptTooLongError
-    from semantic.engine.messages import (
+    from semantic.engine.decoding.sampling import MAX_LOGIT_BIASES, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
+    from semantic.engine.decoding.token_logprobs import TokenLogprob
+    from semantic.engine.loop.errors import EngineError, PromptTooLongError
+    from semantic.engine.loop.messages import (
         Event,
         Finished,
         FinishReason,
@@ -32,44 +37,39 @@ if TYPE_CHECKING:
         PromptStarted,
         TokenDelta,
     )
-    from semantic.engine.registry import ModelEntry, UnknownModelError
-    from semantic.engine.request_stream import RequestStream
-    from semantic.engine.sampling import MAX_LOGIT_BIASES, MAX_SEED, MAX_TOP_LOGPROBS, SamplingParams
-    from semantic.engine.token_logprobs import TokenLogprob
-    from semantic.engine.tool_format import HERMES, ToolFormat, ToolSchemas
     from semantic.storage.agent_id import AgentId, InvalidAgentIdError
     from semantic.storage.persistence import PersistenceStoppedError
 
 __version__ = "0.1.0"
 
 _HOMES = {
-    "ChatMessage": "semantic.engine.chat_format",
-    "EngineError": "semantic.engine.errors",
-    "Event": "semantic.engine.messages",
-    "Finished": "semantic.engine.messages",
-    "FinishReason": "semantic.engine.messages",
-    "HERMES": "semantic.engine.tool_format",
-    "MAX_LOGIT_BIASES": "semantic.engine.sampling",
-    "MAX_SEED": "semantic.engine.sampling",
-    "MAX_TOP_LOGPROBS": "semantic.engine.sampling",
-    "ModelEntry": "semantic.engine.registry",
-    "PromptProgress": "semantic.engine.messages",
-    "PromptStarted": "semantic.engine.messages",
+    "ChatMessage": "semantic.actors.prompting.chat_format",
+    "EngineError": "semantic.engine.loop.errors",
+    "Event": "semantic.engine.loop.messages",
+    "Finished": "semantic.engine.loop.messages",
+    "FinishReason": "semantic.engine.loop.messages",
+    "HERMES": "semantic.actors.prompting.tool_format",
+    "MAX_LOGIT_BIASES": "semantic.engine.decoding.sampling",
+    "MAX_SEED": "semantic.engine.decoding.sampling",
+    "MAX_TOP_LOGPROBS": "semantic.engine.decoding.sampling",
+    "ModelEntry": "semantic.actors.model_registry",
+    "PromptProgress": "semantic.engine.loop.messages",
+    "PromptStarted": "semantic.engine.loop.messages",
     "PersistenceStoppedError": "semantic.storage.persistence",
-    "PromptTooLongError": "semantic.engine.errors",
-    "RequestStream": "semantic.engine.request_stream",
-    "TokenDelta": "semantic.engine.messages",
-    "TokenLogprob": "semantic.engine.token_logprobs",
-    "ToolFormat": "semantic.engine.tool_format",
-    "ToolSchemas": "semantic.engine.tool_format",
-    "UnknownModelError": "semantic.engine.registry",
+    "PromptTooLongError": "semantic.engine.loop.errors",
+    "RequestStream": "semantic.actors.request_stream",
+    "TokenDelta": "semantic.engine.loop.messages",
+    "TokenLogprob": "semantic.engine.decoding.token_logprobs",
+    "ToolFormat": "semantic.actors.prompting.tool_format",
+    "ToolSchemas": "semantic.actors.prompting.tool_format",
+    "UnknownModelError": "semantic.actors.model_registry",
     "AgentHandle": "semantic.actors.handle",
     "AgentId": "semantic.storage.agent_id",
     "AgentInfo": "semantic.actors.system",
     "AgentSystem": "semantic.actors.system",
-    "EngineConfig": "semantic.engine.engine",
+    "EngineConfig": "semantic.actors.engine_client",
     "InvalidAgentIdError": "semantic.storage.agent_id",
-    "SamplingParams": "semantic.engine.sampling",
+    "SamplingParams": "semantic.engine.decoding.sampling",
     "SystemConfig": "semantic.actors.system",
     "ToolChoice": "semantic.actors.turns",
     "TurnRequest": "semantic.actors.turns",

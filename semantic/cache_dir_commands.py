@@ -42,7 +42,7 @@ ViaServer = Callable[[argparse.Namespace, Path, Server], int]
 
 
 def _cache_dir(args: argparse.Namespace) -> tuple[Path, str | None]:
-    from semantic.engine.default_model import user_cache_dir
+    from semantic.engine.model.default_model import user_cache_dir
 
     settings = load_settings_from(args).settings
     return (Path(settings.cache.dir) if settings.cache.dir else user_cache_dir()), settings.server.api_key

@@ -18,12 +18,12 @@ from semantic.service import add_service_parser
 
 if TYPE_CHECKING:
     from semantic.actors.system import SystemConfig
-    from semantic.engine.default_model import ProgressFn
+    from semantic.engine.model.default_model import ProgressFn
     from semantic.protocols.settings import Settings
 
 
 def _cache_dir(settings: Settings) -> Path:
-    from semantic.engine.default_model import user_cache_dir
+    from semantic.engine.model.default_model import user_cache_dir
 
     return Path(settings.cache.dir) if settings.cache.dir else user_cache_dir()
 
@@ -33,10 +33,10 @@ def _models_dir(settings: Settings) -> Path:
 
 
 def _system_config(settings: Settings) -> SystemConfig:
+    from semantic.actors.engine_client import EngineConfig
+    from semantic.actors.model_registry import ModelEntry
     from semantic.actors.system import SystemConfig
-    from semantic.engine.backend_profile import apply_device_choice
-    from semantic.engine.engine import EngineConfig
-    from semantic.engine.registry import ModelEntry
+    from semantic.engine.loop.backend_profile import apply_device_choice
 
     _refuse_kv_bits(settings.cache.kv_bits)
     apply_device_choice(settings.backend.device)
@@ -115,8 +115,8 @@ def _progress_bar() -> ProgressFn:
 
 
 def _ensure_default_model(settings: Settings) -> None:
-    from semantic.engine.default_model import ensure_default_model
-    from semantic.engine.loading import is_default_model
+    from semantic.engine.model.default_model import ensure_default_model
+    from semantic.engine.model.loading import is_default_model
 
     if is_default_model(settings.model.name):
         ensure_default_model(settings.model.dtype, progress=_progress_bar(), models_dir=_models_dir(settings))
@@ -194,7 +194,7 @@ def serve(args: argparse.Namespace) -> None:
 
 def _group_rank() -> int:
     """This process's rank in the group mlx.launch started (0 when it runs alone)."""
-    from semantic.engine.distributed import launched_group
+    from semantic.engine.group.distributed import launched_group
 
     group = launched_group()
     return group.rank() if group is not None else 0
@@ -261,7 +261,7 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def fetch_model(args: argparse.Namespace) -> None:
-    from semantic.engine.default_model import ensure_default_model
+    from semantic.engine.model.default_model import ensure_default_model
 
     settings = load_settings_from(args).settings
     models_dir = _models_dir(settings)

@@ -91,8 +91,8 @@ def _memory_mb() -> tuple[int, int | None]:
 
 def _model_dir(settings: Settings) -> Path | None:
     from semantic.cli import _models_dir
-    from semantic.engine.default_model import default_model_dir
-    from semantic.engine.loading import is_default_model
+    from semantic.engine.model.default_model import default_model_dir
+    from semantic.engine.model.loading import is_default_model
 
     if is_default_model(settings.model.name):
         return default_model_dir(settings.model.dtype, _models_dir(settings))
@@ -175,8 +175,8 @@ def check_port(settings: Settings) -> Check:
 
 
 def check_model(settings: Settings, load: bool) -> Check:
-    from semantic.engine.default_model import is_converted
-    from semantic.engine.loading import is_default_model
+    from semantic.engine.model.default_model import is_converted
+    from semantic.engine.model.loading import is_default_model
 
     name = settings.model.name
     model_dir = _model_dir(settings)

@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-from semantic.engine.backend_profile import FAST_BLAS_MARKER
+from semantic.engine.loop.backend_profile import FAST_BLAS_MARKER
 
 Backend = Literal["cpu", "metal", "cuda"]
 LaunchDevice = Literal["cpu", "gpu"]
@@ -191,7 +191,7 @@ def fast_blas_env(
     ]
     if not libs:
         return None
-    # engine/default_model.py's user_cache_dir, which would import mlx.core into the launcher
+    # engine/model/default_model.py's user_cache_dir, which would import mlx.core into the launcher
     cache_dir = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "semantic"
     gfortran_dirs = _gfortran_dirs(mlx_dir, cache_dir)
     if gfortran_dirs is None:

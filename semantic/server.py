@@ -21,10 +21,9 @@ from pathlib import Path
 from aiohttp import web
 from loguru import logger
 
+from semantic.actors.model_registry import ModelEntry
 from semantic.actors.system import SystemConfig
-from semantic.engine.commands import Drain
-from semantic.engine.config import EngineStats
-from semantic.engine.distributed import (
+from semantic.engine.group.distributed import (
     EXIT_GROUP_LOST,
     Collectives,
     GroupLostError,
@@ -32,9 +31,10 @@ from semantic.engine.distributed import (
     launched_group,
     layout_of,
 )
-from semantic.engine.follower_loop import FollowerLoop
-from semantic.engine.lockstep import Follower, GroupDivergedError
-from semantic.engine.registry import ModelEntry
+from semantic.engine.group.follower_loop import FollowerLoop
+from semantic.engine.group.lockstep import Follower, GroupDivergedError
+from semantic.engine.loop.commands import Drain
+from semantic.engine.loop.config import EngineStats
 from semantic.protocols.app import create_app
 from semantic.protocols.common import GATE_KEY, SYSTEM_KEY
 from semantic.protocols.connections import CappedSite

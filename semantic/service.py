@@ -90,7 +90,7 @@ def _serve_flags(
 
 
 def _cache_dir(settings: Settings) -> Path:
-    from semantic.engine.default_model import user_cache_dir
+    from semantic.engine.model.default_model import user_cache_dir
 
     return (Path(settings.cache.dir).expanduser() if settings.cache.dir else user_cache_dir()).absolute()
 

@@ -213,7 +213,7 @@ def _check_staged(staging: Path, manifest: Manifest, agent_id: AgentId, folder_n
             check_cache_file(cache, agent_id, folder_name)
             if read_metadata(cache).get("model_fingerprint") != manifest.model_fingerprint:
                 raise ValueError("its cache file names another model than the manifest")
-            mark_imported(cache)  # its blocks serve only this agent (engine/agent_cache.py)
+            mark_imported(cache)  # its blocks serve only this agent (engine/cache_store/agent_cache.py)
         conversation = staging / f"{agent_id}{CONVERSATION_SUFFIX}"
         if conversation.exists():
             read_conversation(conversation)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from semantic.engine.cache_tensors import SerializedCache, tokens_digest
+from semantic.engine.cache_store.cache_tensors import SerializedCache, tokens_digest
 from semantic.storage.agent_id import AgentId, InvalidAgentIdError
 from semantic.storage.cache_file import CacheIdentity, is_temp_name, read_cache_file, read_stated_tokens
 from semantic.storage.disk_budget import CacheFileUse

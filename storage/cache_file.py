@@ -1,6 +1,6 @@
 """One agent's cache as a safetensors file: tokens, per-layer K/V, and metadata that proves it fits.
 
-Conversion between MLX and numpy happens on the engine thread (`semantic.engine.cache_tensors`);
+Conversion between MLX and numpy happens on the engine thread (`semantic.engine.cache_store.cache_tensors`);
 reading and writing bytes happens in a worker thread (`write_cache_file`/`read_cache_file`).
 """
 
@@ -22,13 +22,13 @@ import xxhash
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from semantic.engine.cache_tensors import (
+from semantic.engine.cache_store.cache_tensors import (
     SerializedCache,
     attention_tensor_name,
     state_tensor_name,
     tokens_digest,
 )
-from semantic.engine.loading import LoadedModel
+from semantic.engine.model.loading import LoadedModel
 from semantic.storage.cache_layout import layout_problem
 from semantic.storage.disk_full import as_disk_full, os_error_in
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from semantic.engine.cache_tensors import (
+from semantic.engine.cache_store.cache_tensors import (
     attention_tensor_name,
     state_tensor_name,
     stored_dtype,

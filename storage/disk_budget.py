@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from semantic.engine.eviction import LRU, EvictionPolicy
+from semantic.engine.cache_store.eviction import LRU, EvictionPolicy
 from semantic.storage.agent_id import AgentId
 
 
@@ -28,7 +28,7 @@ class DiskBudget:
     # A cache file being written is on the disk already, beside the file it replaces: counted until
     # then (its rename, or its removal when the write fails), so room is made before it is written.
     num_writing_bytes: int = 0
-    policy: EvictionPolicy = LRU  # which files go first (`engine/eviction.py`)
+    policy: EvictionPolicy = LRU  # which files go first (`engine/cache_store/eviction.py`)
 
     @property
     def num_bytes(self) -> int:

@@ -19,8 +19,8 @@ from typing import Any
 
 from loguru import logger
 
-from semantic.engine.cache_tensors import SerializedCache
-from semantic.engine.mailbox import Mailbox, reply_to
+from semantic.engine.cache_store.cache_tensors import SerializedCache
+from semantic.engine.loop.commands import reply_to
 from semantic.storage.agent_id import AgentId, InvalidAgentIdError
 from semantic.storage.agents_folder import (
     CONVERSATION_SUFFIX,
@@ -46,6 +46,7 @@ from semantic.storage.conversation_file import (
     write_conversation,
 )
 from semantic.storage.disk_budget import DiskBudget
+from semantic.storage.mailbox import Mailbox
 from semantic.storage.persistence_messages import (
     CacheOnDisk,
     DeleteAgent,

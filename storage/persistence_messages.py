@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.cache_store.cache_tensors import SerializedCache
 from semantic.storage.agent_id import AgentId
 from semantic.storage.conversation_file import ConversationRecord
 

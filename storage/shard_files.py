@@ -16,9 +16,9 @@ from typing import Any
 
 from loguru import logger
 
-from semantic.engine.cache_tensors import SerializedCache
-from semantic.engine.distributed import GroupLayout
-from semantic.engine.loading import LoadedModel
+from semantic.engine.cache_store.cache_tensors import SerializedCache
+from semantic.engine.group.distributed import GroupLayout
+from semantic.engine.model.loading import LoadedModel
 from semantic.storage.agent_id import AgentId
 from semantic.storage.agents_folder import SUFFIX, move_aside
 from semantic.storage.cache_file import (

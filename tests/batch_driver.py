@@ -13,12 +13,12 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from semantic.engine.commands import Submit
-from semantic.engine.config import EngineConfig, EngineStats
-from semantic.engine.messages import Event, EventChannel, Finished, GenerationRequest, TokenDelta
-from semantic.engine.outbox import Outbox
-from semantic.engine.runtime import Runtime
-from semantic.engine.sampling import SamplingParams
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import Submit
+from semantic.engine.loop.config import EngineConfig, EngineStats
+from semantic.engine.loop.messages import Event, EventChannel, Finished, GenerationRequest, TokenDelta
+from semantic.engine.loop.outbox import Outbox
+from semantic.engine.loop.runtime import Runtime
 
 
 @pytest.fixture(scope="module")

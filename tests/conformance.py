@@ -158,7 +158,7 @@ def main() -> None:
     parser.add_argument("--worker", choices=sorted(ARCHITECTURES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tokenizer_dir is None:
-        from semantic.engine.default_model import ensure_default_model
+        from semantic.engine.model.default_model import ensure_default_model
 
         args.tokenizer_dir = ensure_default_model("float32")
     if args.worker is not None:

@@ -25,12 +25,12 @@ import mlx.core as mx
 import msgspec
 from mlx_lm.generate import generate_step
 
+from semantic.actors.prompting.chat_format import ChatMessage
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest, TurnStarted
-from semantic.engine.chat_format import ChatMessage
-from semantic.engine.config import EngineConfig
-from semantic.engine.messages import Finished, PromptStarted
-from semantic.engine.sampling import SamplingParams
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.config import EngineConfig
+from semantic.engine.loop.messages import Finished, PromptStarted
 from semantic.storage.agent_id import AgentId
 
 MAX_TOKENS = 16

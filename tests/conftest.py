@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.model.default_model import ensure_default_model
 from tests.server_process import ServerProcess
 from tests.tiny_models import build_tiny_model
 

@@ -8,8 +8,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from semantic.engine.batch import Batch
-from semantic.engine.prefill_budget import PrefillBudget
+from semantic.engine.decoding.batch import Batch
+from semantic.engine.scheduling.prefill_budget import PrefillBudget
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from semantic import AgentSystem, EngineConfig, SamplingParams, SystemConfig, TurnRequest
-from semantic.engine.errors import LibraryPanic
+from semantic.engine.loop.errors import LibraryPanic
 from semantic.storage.agent_id import AgentId
 from tests.waiting import wait_until_async
 

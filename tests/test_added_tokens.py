@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from semantic.actors.engine_client import EngineConfig
 from semantic.actors.system import AgentSystem, SystemConfig
-from semantic.engine.engine import EngineConfig
 from tests.tiny_models import TINY_CONFIGS, write_random_model
 
 MARKERS = ("<|turn|>", "<|end_turn|>")  # ids 49152 and 49153: above the base vocabulary

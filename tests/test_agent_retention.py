@@ -19,18 +19,19 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from semantic.engine.agent_cache import AgentCacheStore
-from semantic.engine.block_pool import BlockPool
-from semantic.engine.cache_pins import CacheBreakpoint, CachePin, prompt_pins
-from semantic.engine.cache_spec import LayerKind, ModelCacheSpec
-from semantic.engine.chat_format import ChatFormat
-from semantic.engine.commands import Submit
-from semantic.engine.config import EngineConfig, EngineStats
-from semantic.engine.eviction import EvictionPolicy, IdleCache
-from semantic.engine.messages import EventChannel, Finished, GenerationRequest
-from semantic.engine.outbox import Outbox
-from semantic.engine.runtime import Runtime
-from semantic.engine.sampling import SamplingParams
+from semantic.actors.prompting.chat_format import ChatFormat
+from semantic.actors.prompting.prompt_pins import CacheBreakpoint, prompt_pins
+from semantic.engine.cache_store.agent_cache import AgentCacheStore
+from semantic.engine.cache_store.block_pool import BlockPool
+from semantic.engine.cache_store.cache_spec import LayerKind, ModelCacheSpec
+from semantic.engine.cache_store.eviction import EvictionPolicy, IdleCache
+from semantic.engine.cache_store.prefix_pins import CachePin
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import Submit
+from semantic.engine.loop.config import EngineConfig, EngineStats
+from semantic.engine.loop.messages import EventChannel, Finished, GenerationRequest
+from semantic.engine.loop.outbox import Outbox
+from semantic.engine.loop.runtime import Runtime
 from semantic.protocols.anthropic_wire import chat_and_breakpoints, decode_request
 from tests.server_process import ServerProcess
 

@@ -13,13 +13,13 @@ import pytest
 import pytest_asyncio
 
 from semantic.actors.agent_messages import AgentStoppedError, MailboxFullError, StartTurn
+from semantic.actors.engine_client import EngineConfig, RequestStream
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest, TurnStarted
-from semantic.engine.commands import InspectPool, ListCaches, ReferenceGenerate, RestoreCache
-from semantic.engine.engine import EngineConfig, RequestStream
-from semantic.engine.messages import Finished, PromptStarted, TokenDelta
-from semantic.engine.runtime import Runtime
-from semantic.engine.sampling import SamplingParams
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import InspectPool, ListCaches, ReferenceGenerate, RestoreCache
+from semantic.engine.loop.messages import Finished, PromptStarted, TokenDelta
+from semantic.engine.loop.runtime import Runtime
 from semantic.storage.agent_id import AgentId, InvalidAgentIdError, agent_id_from
 from semantic.storage.cache_file import CacheIdentity, read_cache_file, write_cache_file
 

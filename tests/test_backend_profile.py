@@ -1,4 +1,4 @@
-"""One backend profile, chosen from the device (engine/backend_profile.py): what it holds on each
+"""One backend profile, chosen from the device (engine/loop/backend_profile.py): what it holds on each
 device, how settings change it, and that a GPU's choices leave mlx-lm's own step and functions."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from semantic.engine.backend_profile import BackendChoices, choose_profile
+from semantic.engine.loop.backend_profile import BackendChoices, choose_profile
 from tests.server_process import ServerProcess
 
 VARIANTS = ("cpu_kernels", "last_token_fold", "mixed_step", "joining_cache")
@@ -85,10 +85,10 @@ GPU_CHOICES_PROBE = textwrap.dedent(
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
     from mlx_lm.models import activations, base
-    from semantic.engine.backend_profile import choose_profile
-    from semantic.engine.config import EngineConfig, EngineStats
-    from semantic.engine.outbox import Outbox
-    from semantic.engine.runtime import Runtime
+    from semantic.engine.loop.backend_profile import choose_profile
+    from semantic.engine.loop.config import EngineConfig, EngineStats
+    from semantic.engine.loop.outbox import Outbox
+    from semantic.engine.loop.runtime import Runtime
     import asyncio
 
     gpu = choose_profile(device="metal")

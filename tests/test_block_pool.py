@@ -6,8 +6,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from semantic.engine.block_pool import BlockPool, hash_block_tokens, hash_prefix_blocks
-from semantic.engine.errors import PoolExhaustedError
+from semantic.engine.cache_store.block_pool import BlockPool, hash_block_tokens, hash_prefix_blocks
+from semantic.engine.loop.errors import PoolExhaustedError
 
 BLOCK_SIZE = 4
 

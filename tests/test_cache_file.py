@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.cache_store.cache_tensors import SerializedCache
 from semantic.storage.agent_id import AgentId
 from semantic.storage.cache_file import CacheFileError, CacheIdentity, read_cache_file, write_cache_file
 from semantic.storage.persistence import PersistenceActor

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from semantic.engine.cache_matching import common_prefix_length
+from semantic.engine.cache_store.cache_matching import common_prefix_length
 
 
 def shared_by_definition(a: list[int], b: list[int]) -> int:

@@ -29,9 +29,9 @@ from semantic.actors.cache_miss import (
     mask_dates,
 )
 from semantic.actors.cache_notes import CacheNotes
+from semantic.actors.prompting.chat_format import ChatFormat
 from semantic.actors.turns import TurnRequest
-from semantic.engine.chat_format import ChatFormat
-from semantic.engine.sampling import SamplingParams
+from semantic.engine.decoding.sampling import SamplingParams
 from semantic.storage.agent_id import AgentId
 from tests.agent_api_client import call
 from tests.server_process import ServerProcess

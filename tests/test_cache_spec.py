@@ -9,7 +9,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
 
-from semantic.engine.cache_spec import LayerKind, ModelCacheSpec, UnsupportedModelError, describe_layers
+from semantic.engine.cache_store.cache_spec import (
+    LayerKind,
+    ModelCacheSpec,
+    UnsupportedModelError,
+    describe_layers,
+)
 
 
 class CachesOf:

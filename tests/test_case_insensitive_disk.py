@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.cache_store.cache_tensors import SerializedCache
 from semantic.storage.agent_id import AgentId
 from semantic.storage.agents_folder import AgentIdCollisionError
 from semantic.storage.cache_file import CacheIdentity

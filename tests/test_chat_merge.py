@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from semantic.engine.chat_format import _merge_consecutive
+from semantic.actors.prompting.chat_format import _merge_consecutive
 
 
 def merged_pairwise(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

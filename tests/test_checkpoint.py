@@ -13,7 +13,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from semantic import AgentSystem, EngineConfig, SystemConfig
-from semantic.engine.cache_tensors import SerializedCache, tokens_digest
+from semantic.engine.cache_store.cache_tensors import SerializedCache, tokens_digest
 from semantic.storage.agent_id import AgentId
 from semantic.storage.cache_file import read_stated_tokens, write_cache_file
 from semantic.storage.persistence import PersistenceActor

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from semantic.engine.default_model import user_cache_dir
+from semantic.engine.model.default_model import user_cache_dir
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 import make_tool_model

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.base import create_causal_mask
 
-from semantic.engine import cpu_attention, cpu_exp
+from semantic.engine.cpu import cpu_attention, cpu_exp
 from semantic.engine.mlx_adapter import model_hooks
 
 
@@ -145,7 +145,7 @@ def _our_kernel_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def hooked_model(default_model_dir: Path) -> Any:
     """The default model with the CPU attention hook installed, as the engine installs it at load."""
-    from semantic.engine.loading import load_model
+    from semantic.engine.model.loading import load_model
 
     loaded = load_model(str(default_model_dir))
     assert mx.default_device() == mx.cpu
@@ -388,8 +388,8 @@ TINY_DEEPSEEK_V3 = {
 
 async def _reply(system: Any, agent_id: str, prompt: list[int], max_tokens: int) -> tuple[list[int], Any]:
     from semantic.actors.turns import TurnRequest
-    from semantic.engine.messages import PromptStarted, TokenDelta
-    from semantic.engine.sampling import SamplingParams
+    from semantic.engine.decoding.sampling import SamplingParams
+    from semantic.engine.loop.messages import PromptStarted, TokenDelta
     from semantic.storage.agent_id import AgentId
 
     turn = TurnRequest(
@@ -416,8 +416,8 @@ async def test_a_tiny_deepseek_v3_through_the_engine_gives_mlx_lm_s_tokens(
     """A cold turn and the agent's next turn from its cache, token for token against mlx-lm's own
     generation (run here, off the engine thread, so with MLX's attention); MLA's decode steps hand
     the hook a mask per query head over one latent KV head."""
+    from semantic.actors.engine_client import EngineConfig
     from semantic.actors.system import AgentSystem, SystemConfig
-    from semantic.engine.engine import EngineConfig
     from tests.agent_api_client import cold_continuation
     from tests.tiny_models import write_random_model
 

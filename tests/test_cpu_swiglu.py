@@ -1,4 +1,4 @@
-"""SwiGLU with the polynomial exponential (engine/cpu_swiglu.py): as exact as mlx-lm's own, and
+"""SwiGLU with the polynomial exponential (engine/cpu/cpu_swiglu.py): as exact as mlx-lm's own, and
 hooked into mlx-lm's models only on the engine thread and only for float32."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import activations
 
-from semantic.engine import cpu_swiglu
+from semantic.engine.cpu import cpu_swiglu
 from semantic.engine.mlx_adapter import model_hooks
 
 
@@ -34,7 +34,7 @@ def test_swiglu_is_as_exact_as_mlx_lm_s_over_the_float_range() -> None:
 def hooked(default_model_dir: Path) -> Any:
     from mlx_lm.models import llama
 
-    from semantic.engine.loading import load_model
+    from semantic.engine.model.loading import load_model
 
     load_model(str(default_model_dir))  # imports the llama module the hook goes into
     assert model_hooks.install_kernel_hooks()

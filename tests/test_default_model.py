@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mlx_lm import generate, load
 
-from semantic.engine.default_model import convert_gguf, fetch_gguf
+from semantic.engine.model.default_model import convert_gguf, fetch_gguf
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -17,15 +17,15 @@ import pytest
 from llguidance import LLMatcher
 from mlx_lm.utils import load_tokenizer
 
-from semantic.engine.grammar import (
+from semantic.actors.prompting.output_grammars import json_schema_grammar
+from semantic.actors.prompting.schema_finiteness import has_finite_instance
+from semantic.engine.decoding.grammar_matcher import (
     GrammarCompiler,
     GrammarError,
     GrammarMatcher,
     IncompleteOutputError,
-    json_schema_grammar,
 )
-from semantic.engine.sampling import MIN_TEMPERATURE, MIN_TOP_P, GenerationDefaults, SamplingParams
-from semantic.engine.schema_finiteness import has_finite_instance
+from semantic.engine.decoding.sampling import MIN_TEMPERATURE, MIN_TOP_P, GenerationDefaults, SamplingParams
 from tests.agent_api_client import call
 from tests.server_process import ServerProcess
 

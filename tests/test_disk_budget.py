@@ -11,7 +11,7 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from semantic.engine.cache_tensors import SerializedCache
+from semantic.engine.cache_store.cache_tensors import SerializedCache
 from semantic.storage.agent_id import AgentId
 from semantic.storage.agents_folder import MAX_QUARANTINED, move_aside
 from semantic.storage.conversation_file import ConversationRecord

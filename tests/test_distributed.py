@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from safetensors import safe_open
 
-from semantic.engine.distributed import EXIT_GROUP_LOST
+from semantic.engine.group.distributed import EXIT_GROUP_LOST
 from semantic.storage.cache_file import CacheIdentity, read_cache_file
 from tests.agent_api_client import call, cold_continuation, conversation_tokens
 from tests.group_process import GroupProcesses

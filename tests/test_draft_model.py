@@ -14,9 +14,9 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.models import llama
 
-from semantic.engine import model_drafts
 from semantic.engine.mlx_adapter.api import load
-from semantic.engine.model_drafts import ModelDrafter, check_draft_model
+from semantic.engine.speculation import model_drafts
+from semantic.engine.speculation.model_drafts import ModelDrafter, check_draft_model
 from tests.tiny_models import build_tiny_model
 
 VOCAB = 96

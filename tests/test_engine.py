@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from semantic.engine import cpu_attention
-from semantic.engine.cache_matching import is_anonymous
-from semantic.engine.cache_tensors import SerializedCache
-from semantic.engine.commands import (
+from semantic.actors.engine_client import Engine, EngineConfig, EngineError, PromptTooLongError, RequestStream
+from semantic.engine.cache_store.cache_matching import is_anonymous
+from semantic.engine.cache_store.cache_tensors import SerializedCache
+from semantic.engine.cpu import cpu_attention
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import (
     Cancel,
     Drain,
     InspectPool,
@@ -31,10 +33,8 @@ from semantic.engine.commands import (
     Shutdown,
     Submit,
 )
-from semantic.engine.engine import Engine, EngineConfig, EngineError, PromptTooLongError, RequestStream
-from semantic.engine.leader_loop import unanswered
-from semantic.engine.messages import Finished, FinishReason, GenerationRequest, PromptStarted, TokenDelta
-from semantic.engine.sampling import SamplingParams
+from semantic.engine.loop.leader_loop import unanswered
+from semantic.engine.loop.messages import Finished, FinishReason, GenerationRequest, PromptStarted, TokenDelta
 from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -204,7 +204,7 @@ async def test_drain_waits_for_the_batch_then_fails_what_outlives_its_timeout(en
 
 
 async def test_a_request_tokenized_for_another_model_is_refused(engine: Engine) -> None:
-    from semantic.engine.engine import ModelChangedError
+    from semantic.actors.engine_client import ModelChangedError
 
     request = GenerationRequest(
         "x", chat(engine, "hi"), SamplingParams(max_tokens=2), model_fingerprint="other"

@@ -1,4 +1,4 @@
-"""The eviction policy (engine/eviction.py) without a model: victims' order, the spared sets, the
+"""The eviction policy (engine/cache_store/eviction.py) without a model: victims' order, the spared sets, the
 disk tier, and a replaced policy taking effect in the disk budget and the store's order."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from typing import TypeVar
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from semantic.engine.agent_cache import AgentCacheStore
-from semantic.engine.block_pool import BlockPool
-from semantic.engine.cache_matching import ANONYMOUS_PREFIX
-from semantic.engine.cache_spec import LayerKind, ModelCacheSpec
-from semantic.engine.eviction import LRU, EvictionPolicy
-from semantic.engine.scheduler import make_room, pool_summary
-from semantic.engine.tick_schedule import Evict, plan_room
+from semantic.engine.cache_store.agent_cache import AgentCacheStore
+from semantic.engine.cache_store.block_pool import BlockPool
+from semantic.engine.cache_store.cache_matching import ANONYMOUS_PREFIX
+from semantic.engine.cache_store.cache_spec import LayerKind, ModelCacheSpec
+from semantic.engine.cache_store.eviction import LRU, EvictionPolicy
+from semantic.engine.scheduling.scheduler import make_room, pool_summary
+from semantic.engine.scheduling.tick_schedule import Evict, plan_room
 from semantic.storage.agent_id import AgentId
 from semantic.storage.disk_budget import DiskBudget
 

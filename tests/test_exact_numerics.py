@@ -23,10 +23,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from semantic.engine.engine import Engine, EngineConfig
-from semantic.engine.messages import GenerationRequest, TokenDelta
+from semantic.actors.engine_client import Engine, EngineConfig
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.messages import GenerationRequest, TokenDelta
 from semantic.engine.mlx_adapter.api import load
-from semantic.engine.sampling import SamplingParams
 
 NUM_TOKENS = 256
 # Logprobs of the same token moved by at most 1.7e-5 here (batching or kernels); a bug moves more.

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from semantic.engine.loading import fingerprint_model
+from semantic.engine.model.loading import fingerprint_model
 from semantic.storage.agent_id import AgentId
 from semantic.storage.agents_folder import NEWER_FORMAT_DIR
 from semantic.storage.cache_file import CacheIdentity, read_metadata

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from semantic.engine.messages import Finished, TokenDelta
+from semantic.engine.loop.messages import Finished, TokenDelta
+from semantic.engine.loop.outbox import Outbox
+from semantic.engine.loop.runtime import Runtime
 from semantic.engine.mlx_adapter.last_token_fold import FoldingBatchGenerator
-from semantic.engine.outbox import Outbox
-from semantic.engine.runtime import Runtime
 from tests.batch_driver import chat, deliver, has_token, loop, outbox, runtime, steps_until_finished, submit
 from tests.modelled_budget import ModelledBudget, modelled_budget_in
 

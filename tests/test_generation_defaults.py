@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from semantic.engine.default_model import default_model_dir, ensure_default_model
-from semantic.engine.loading import generation_defaults_of
-from semantic.engine.sampling import GenerationDefaults, SamplingParams, make_sampler
+from semantic.engine.decoding.sampling import GenerationDefaults, SamplingParams, make_sampler
+from semantic.engine.model.default_model import default_model_dir, ensure_default_model
+from semantic.engine.model.loading import generation_defaults_of
 
 
 def write_config(tmp_path: Path, config: dict[str, object]) -> Path:

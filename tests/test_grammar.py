@@ -14,14 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.utils import load_tokenizer
 
-from semantic.engine.grammar import (
-    GrammarCompiler,
-    GrammarError,
-    GrammarMatcher,
+from semantic.actors.prompting.output_grammars import (
     json_schema_grammar,
     strict_calls_grammar,
     tool_call_grammar,
 )
+from semantic.engine.decoding.grammar_matcher import GrammarCompiler, GrammarError, GrammarMatcher
 
 WEATHER = {
     "type": "object",

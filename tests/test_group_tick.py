@@ -14,9 +14,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from semantic.engine import group_tick
-from semantic.engine.cache_tensors import SerializedCache
-from semantic.engine.commands import (
+from semantic.engine.cache_store.cache_tensors import SerializedCache
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.group import group_tick
+from semantic.engine.group.distributed import EXIT_GROUP_LOST, backend_name
+from semantic.engine.group.lockstep import DIGEST_MODULUS, clock_now, config_dict, config_from, next_digest
+from semantic.engine.loop.commands import (
     Cancel,
     DropCache,
     InspectPool,
@@ -26,12 +29,9 @@ from semantic.engine.commands import (
     SnapshotCaches,
     Submit,
 )
-from semantic.engine.config import EngineConfig
-from semantic.engine.distributed import EXIT_GROUP_LOST, backend_name
-from semantic.engine.loading import check_heads_divide
-from semantic.engine.lockstep import DIGEST_MODULUS, clock_now, config_dict, config_from, next_digest
-from semantic.engine.messages import EventChannel, GenerationRequest
-from semantic.engine.sampling import SamplingParams
+from semantic.engine.loop.config import EngineConfig
+from semantic.engine.loop.messages import EventChannel, GenerationRequest
+from semantic.engine.model.loading import check_heads_divide
 from semantic.storage.agent_id import AgentId
 from semantic.storage.cache_file import CacheFileError, CacheIdentity, read_cache_file, write_cache_file
 from tests.server_process import ROOT
@@ -197,7 +197,7 @@ def test_the_backend_is_named_from_the_launchers_environment() -> None:
 def test_the_watchdog_ends_a_process_that_waits_too_long() -> None:
     script = (
         "import time\n"
-        "from semantic.engine.distributed import Watchdog\n"
+        "from semantic.engine.group.distributed import Watchdog\n"
         "calls = []\n"
         "watchdog = Watchdog(0, on_stall=calls.append, grace_s=0.1)\n"
         "with watchdog.allow('a test', 0.2):\n"

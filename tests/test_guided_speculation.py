@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from semantic.engine.commands import Submit
-from semantic.engine.config import EngineConfig, EngineStats
-from semantic.engine.grammar import GrammarCompiler
-from semantic.engine.messages import EventChannel, Finished, GenerationRequest
-from semantic.engine.outbox import Outbox
-from semantic.engine.runtime import Runtime
-from semantic.engine.sampling import SamplingParams
+from semantic.engine.decoding.grammar_matcher import GrammarCompiler
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import Submit
+from semantic.engine.loop.config import EngineConfig, EngineStats
+from semantic.engine.loop.messages import EventChannel, Finished, GenerationRequest
+from semantic.engine.loop.outbox import Outbox
+from semantic.engine.loop.runtime import Runtime
 from tests.test_speculation import CODE, FlatCosts
 
 PROMPT = f"Repeat this code exactly:\n{CODE}"

@@ -23,7 +23,7 @@ import jsonschema
 import openai
 import pytest
 
-from semantic.engine.tool_format import detect_tool_format
+from semantic.actors.prompting.tool_format import detect_tool_format
 from semantic.protocols.tool_parser import TextPart, ToolCallEnd, ToolCallParser
 from tests.server_process import ServerProcess
 from tests.tiny_models import TINY_CONFIGS, write_random_model
@@ -159,7 +159,7 @@ def test_a_qwen3_coder_call_without_its_tool_call_opener_is_read_as_a_call() -> 
     assert "<function=" not in text and text.split() == ["Let", "me", "check.", "Done."], text
 
 
-# The formats whose arguments are not one JSON object (engine/tool_call_grammars.py), behind a real
+# The formats whose arguments are not one JSON object (actors/prompting/tool_call_grammars.py), behind a real
 # server: the default model, with a family's chat template, copies the calls it sees in its prompt
 # (greedy); a random model, pushed towards a call's opening by a logit bias, writes the rest at
 # temperature 1.0 under the grammar.

@@ -11,9 +11,9 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
+from semantic.actors.engine_client import EngineConfig
 from semantic.actors.system import SystemConfig
-from semantic.engine.commands import InspectPool
-from semantic.engine.engine import EngineConfig
+from semantic.engine.loop.commands import InspectPool
 from semantic.protocols.app import create_app
 from semantic.protocols.common import GATE_KEY, SYSTEM_KEY
 from tests.waiting import wait_until_async

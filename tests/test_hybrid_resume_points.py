@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
+from semantic.actors.engine_client import EngineConfig
+from semantic.actors.prompting.chat_format import ChatFormat
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest
-from semantic.engine.chat_format import ChatFormat
-from semantic.engine.engine import EngineConfig
-from semantic.engine.messages import PromptStarted, TokenDelta
-from semantic.engine.sampling import SamplingParams
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.messages import PromptStarted, TokenDelta
 from semantic.storage.agent_id import AgentId
 from tests.agent_api_client import _loaded, cold_continuation
 from tests.test_real_templates import model_with_template

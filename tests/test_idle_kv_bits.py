@@ -12,12 +12,12 @@ import pytest_asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semantic.engine.cache_spec import LayerKind, ModelCacheSpec
-from semantic.engine.commands import InspectPool, RestoreCache, TakeCache
-from semantic.engine.engine import Engine, EngineConfig
-from semantic.engine.layer_caches import BlockCodec, block_payload
-from semantic.engine.messages import Finished, GenerationRequest, PromptStarted, TokenDelta
-from semantic.engine.sampling import SamplingParams
+from semantic.actors.engine_client import Engine, EngineConfig
+from semantic.engine.cache_store.cache_spec import LayerKind, ModelCacheSpec
+from semantic.engine.cache_store.layer_caches import BlockCodec, block_payload
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import InspectPool, RestoreCache, TakeCache
+from semantic.engine.loop.messages import Finished, GenerationRequest, PromptStarted, TokenDelta
 
 
 def spec_of(heads: int, head_dim: int, dtype: str, layers: int = 2, block_size: int = 32) -> ModelCacheSpec:

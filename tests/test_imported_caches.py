@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from semantic.engine.cache_tensors import SerializedCache
-from semantic.engine.commands import LoadModel, ReferenceGenerate, RestoreCache, TakeCache, UnloadModel
-from semantic.engine.engine import Engine, EngineConfig
-from semantic.engine.messages import Finished, GenerationRequest, PromptStarted, TokenDelta
-from semantic.engine.sampling import SamplingParams
+from semantic.actors.engine_client import Engine, EngineConfig
+from semantic.engine.cache_store.cache_tensors import SerializedCache
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import LoadModel, ReferenceGenerate, RestoreCache, TakeCache, UnloadModel
+from semantic.engine.loop.messages import Finished, GenerationRequest, PromptStarted, TokenDelta
 from semantic.storage.agent_archive import export_archive, import_archive
 from semantic.storage.agent_id import AgentId
 from semantic.storage.cache_dir_files import AgentFiles

@@ -333,7 +333,7 @@ def test_the_editable_install_imports_every_module_from_its_one_path(outside: Pa
     """This venv's `pip install -e .`, from outside the checkout: every module the build maps is read
     from its own file in the checkout, the layers from their top-level folders."""
     sources = package_sources()
-    assert {source.module for source in sources} >= {"semantic.engine.batch", "semantic.cli"}
+    assert {source.module for source in sources} >= {"semantic.engine.decoding.batch", "semantic.cli"}
     script = outside / "probe_editable.py"
     script.write_text(EDITABLE_PROBE)
     env = {**_clean_env(), "SEMANTIC_NO_FAST_BLAS": "1"}

@@ -13,7 +13,9 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import llama
 
-from semantic.engine.messages import Event, Finished, PromptStarted, TokenDelta
+from semantic.engine.loop.messages import Event, Finished, PromptStarted, TokenDelta
+from semantic.engine.loop.outbox import Outbox
+from semantic.engine.loop.runtime import Runtime
 from semantic.engine.mlx_adapter.last_token_fold import (
     FoldingBatchGenerator,
     fold_head,
@@ -21,8 +23,6 @@ from semantic.engine.mlx_adapter.last_token_fold import (
     last_position_head,
     make_batch_generator,
 )
-from semantic.engine.outbox import Outbox
-from semantic.engine.runtime import Runtime
 from tests.batch_driver import chat, loop, outbox, runtime, steps_until_finished
 
 __all__ = ["loop", "outbox", "runtime"]  # fixtures

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from mlx_lm import load, stream_generate
 
+from semantic.actors.engine_client import EngineConfig
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest
-from semantic.engine.commands import InspectPool
-from semantic.engine.engine import EngineConfig
-from semantic.engine.messages import PromptStarted, TokenDelta
-from semantic.engine.sampling import SamplingParams
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import InspectPool
+from semantic.engine.loop.messages import PromptStarted, TokenDelta
 from semantic.storage.agent_id import AgentId
 from tests.tiny_models import TINY_CONFIGS, build_tiny_model
 

@@ -1,4 +1,4 @@
-"""The actors' ask/reply primitive (engine/mailbox.py) and a turn's one stream (its held Finished)."""
+"""The actors' ask/reply primitive (storage/mailbox.py) and a turn's one stream (its held Finished)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semantic.engine.mailbox import Mailbox, reply_to
-from semantic.engine.messages import EventChannel, Finished, FinishReason, GenerationRequest, TokenDelta
-from semantic.engine.request_stream import RequestStream
-from semantic.engine.sampling import SamplingParams
+from semantic.actors.request_stream import RequestStream
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import reply_to
+from semantic.engine.loop.messages import EventChannel, Finished, FinishReason, GenerationRequest, TokenDelta
+from semantic.storage.mailbox import Mailbox
 
 
 class Full(RuntimeError):

@@ -20,8 +20,10 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache
 
-from semantic.engine import cpu_attention
-from semantic.engine.messages import Finished, PromptProgress, TokenDelta
+from semantic.engine.cpu import cpu_attention
+from semantic.engine.loop.messages import Finished, PromptProgress, TokenDelta
+from semantic.engine.loop.outbox import Outbox
+from semantic.engine.loop.runtime import Runtime
 from semantic.engine.mlx_adapter import generator_seams, model_hooks
 from semantic.engine.mlx_adapter.batch_joins import JoiningBatchKVCache
 from semantic.engine.mlx_adapter.last_token_fold import forked_sources_match, last_position_head
@@ -33,8 +35,6 @@ from semantic.engine.mlx_adapter.mixed_step import (
     mixed_forward_for,
 )
 from semantic.engine.mlx_adapter.mixing_generator import MixingBatchGenerator
-from semantic.engine.outbox import Outbox
-from semantic.engine.runtime import Runtime
 from tests.batch_driver import chat, deliver, drain, loop, outbox, runtime, submit
 
 __all__ = ["loop", "outbox", "runtime"]  # fixtures

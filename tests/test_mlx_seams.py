@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from semantic.engine.cache_spec import UnsupportedModelError
+from semantic.engine.cache_store.cache_spec import UnsupportedModelError
 from semantic.engine.mlx_adapter import checks, generator_seams, model_hooks
 from semantic.engine.mlx_adapter.seam_check import SeamError
 

@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from semantic.engine.default_model import DEFAULT_MODEL_NAME
-from semantic.engine.engine import Engine, EngineConfig
+from semantic.actors.engine_client import Engine, EngineConfig
+from semantic.engine.model.default_model import DEFAULT_MODEL_NAME
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from semantic.engine.ngram_drafts import (
+from semantic.engine.speculation.ngram_drafts import (
     FIRST_COOLDOWN_STEPS,
     MAX_COOLDOWN_STEPS,
     NUM_FAILURES_TO_PAUSE,

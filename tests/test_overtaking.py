@@ -12,9 +12,10 @@ import time
 import uuid
 from dataclasses import replace
 
-from semantic.engine.commands import Submit
-from semantic.engine.config import EngineConfig
-from semantic.engine.messages import (
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import Submit
+from semantic.engine.loop.config import EngineConfig
+from semantic.engine.loop.messages import (
     EventChannel,
     Finished,
     GenerationRequest,
@@ -22,12 +23,11 @@ from semantic.engine.messages import (
     PromptStarted,
     TokenDelta,
 )
+from semantic.engine.loop.outbox import Outbox
+from semantic.engine.loop.runtime import Runtime
 from semantic.engine.mlx_adapter import generator_seams
 from semantic.engine.mlx_adapter.last_token_fold import FoldingBatchGenerator
-from semantic.engine.outbox import Outbox
-from semantic.engine.runtime import Runtime
-from semantic.engine.sampling import SamplingParams
-from semantic.engine.scheduler import Scheduler
+from semantic.engine.scheduling.scheduler import Scheduler
 from tests.batch_driver import chat, deliver, drain, loop, outbox, runtime
 
 __all__ = ["loop", "outbox", "runtime"]  # fixtures

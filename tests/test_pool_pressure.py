@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from semantic.actors.engine_client import EngineConfig
 from semantic.actors.system import AgentSystem, SystemConfig
-from semantic.engine.commands import InspectPool, Submit
-from semantic.engine.engine import EngineConfig
-from semantic.engine.errors import EngineError
-from semantic.engine.messages import EventChannel, GenerationRequest
-from semantic.engine.outbox import Outbox
-from semantic.engine.runtime import Runtime
-from semantic.engine.sampling import SamplingParams
-from semantic.engine.scheduler import Scheduler
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import InspectPool, Submit
+from semantic.engine.loop.errors import EngineError
+from semantic.engine.loop.messages import EventChannel, GenerationRequest
+from semantic.engine.loop.outbox import Outbox
+from semantic.engine.loop.runtime import Runtime
+from semantic.engine.scheduling.scheduler import Scheduler
 from semantic.storage.agent_id import AgentId
 from tests.batch_driver import chat, drain, loop, outbox, runtime, submit
 from tests.test_agents import cold_output, generate, run_turn, user_turn, without_eos

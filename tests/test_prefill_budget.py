@@ -13,17 +13,17 @@ import pytest_asyncio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from semantic.engine.commands import ReferenceGenerate
-from semantic.engine.engine import Engine, EngineConfig
-from semantic.engine.messages import Finished, GenerationRequest, PromptProgress, TokenDelta
-from semantic.engine.prefill_budget import (
+from semantic.actors.engine_client import Engine, EngineConfig
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import ReferenceGenerate
+from semantic.engine.loop.messages import Finished, GenerationRequest, PromptProgress, TokenDelta
+from semantic.engine.scheduling.prefill_budget import (
     MIN_CHUNK_TOKENS,
     RECENT_CHUNKS,
     TRUSTED_GROWTH,
     PrefillBudget,
     per_prompt_chunk,
 )
-from semantic.engine.sampling import SamplingParams
 from tests.modelled_budget import modelled_budget_in
 
 MAX_CHUNK = 256

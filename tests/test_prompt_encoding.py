@@ -17,8 +17,8 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from semantic.engine.chat_format import ChatFormat
-from semantic.engine.prompt_encoding import SegmentEncoder
+from semantic.actors.prompting.chat_format import ChatFormat
+from semantic.actors.prompting.prompt_encoding import SegmentEncoder
 
 MARKUP = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im", "_end|>", "user", "assistant"]
 SPACING = [" ", "  ", "\n", "\n\n", "\t", " \n "]

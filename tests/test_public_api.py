@@ -32,7 +32,8 @@ def _is_private(module: str) -> bool:
 
 
 def test_the_check_finds_an_engine_import() -> None:
-    assert private_imports("from semantic.engine.messages import Finished") == ["semantic.engine.messages"]
+    found = private_imports("from semantic.engine.loop.messages import Finished")
+    assert found == ["semantic.engine.loop.messages"]
     assert private_imports("import semantic.storage.persistence") == ["semantic.storage.persistence"]
     assert private_imports("from semantic import engine") == ["semantic.engine"]
     assert private_imports("from semantic import Finished\nimport semantic_engine") == []

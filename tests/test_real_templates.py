@@ -36,7 +36,7 @@ import mlx_lm
 import msgspec
 import pytest
 
-from semantic.engine.chat_format import ChatFormat
+from semantic.actors.prompting.chat_format import ChatFormat
 from semantic.protocols.openai_wire import ChatMessage, to_chat_messages
 from tests.agent_api_client import _loaded
 from tests.arch_configs import ARCHITECTURES

@@ -9,12 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from semantic.engine.agent_cache import AgentCacheStore
-from semantic.engine.block_pool import BlockPool
-from semantic.engine.cache_spec import LayerKind, ModelCacheSpec
-from semantic.engine.cache_tensors import from_tensors, to_tensors
-from semantic.engine.errors import PoolExhaustedError
-from semantic.engine.layer_caches import BlockCodec, attention_kv_of
+from semantic.engine.cache_store.agent_cache import AgentCacheStore
+from semantic.engine.cache_store.block_pool import BlockPool
+from semantic.engine.cache_store.cache_spec import LayerKind, ModelCacheSpec
+from semantic.engine.cache_store.cache_tensors import from_tensors, to_tensors
+from semantic.engine.cache_store.layer_caches import BlockCodec, attention_kv_of
+from semantic.engine.loop.errors import PoolExhaustedError
 from semantic.engine.mlx_adapter.kv_seams import HistoryKVCache
 from semantic.storage.cache_file import CacheIdentity, read_cache_file, write_cache_file
 

@@ -13,12 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from loguru import logger
 
+from semantic.actors.engine_client import EngineConfig
 from semantic.actors.restore_cost import ALWAYS_READ_S, RateMean, RestoreCosts, Totals, decide_restore
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest
-from semantic.engine.engine import EngineConfig
-from semantic.engine.messages import Finished, PromptStarted, TokenDelta
-from semantic.engine.sampling import SamplingParams
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.messages import Finished, PromptStarted, TokenDelta
 from semantic.storage.agent_id import AgentId
 
 # ---- the decision and the means, without a model ----

@@ -10,12 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
-from semantic.engine.agent_cache import AgentCacheStore
-from semantic.engine.block_pool import BlockPool
-from semantic.engine.cache_keeper import CacheKeeper
-from semantic.engine.cache_spec import LayerKind, ModelCacheSpec
-from semantic.engine.config import EngineStats
-from semantic.engine.messages import (
+from semantic.engine.cache_store.agent_cache import AgentCacheStore
+from semantic.engine.cache_store.block_pool import BlockPool
+from semantic.engine.cache_store.cache_keeper import CacheKeeper
+from semantic.engine.cache_store.cache_spec import LayerKind, ModelCacheSpec
+from semantic.engine.decoding.running import RunningSequences
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.decoding.sequence import Sequence
+from semantic.engine.decoding.text_stream import TextStream
+from semantic.engine.loop.config import EngineStats
+from semantic.engine.loop.messages import (
     Event,
     EventChannel,
     Finished,
@@ -23,11 +27,7 @@ from semantic.engine.messages import (
     GenerationRequest,
     TokenDelta,
 )
-from semantic.engine.outbox import Outbox
-from semantic.engine.running import RunningSequences
-from semantic.engine.sampling import SamplingParams
-from semantic.engine.sequence import Sequence
-from semantic.engine.text_stream import TextStream
+from semantic.engine.loop.outbox import Outbox
 
 NUM_SEQUENCES, NUM_BLOCKS, BLOCK = 5, 64, 16
 EOS = 0

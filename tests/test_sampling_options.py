@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
 
 from semantic import SamplingParams
-from semantic.engine.sampling import make_sampler
+from semantic.engine.decoding.sampling import make_sampler
 from tests.agent_api_client import call
 
 DAYS = [{"role": "user", "content": "List the days of the week."}]

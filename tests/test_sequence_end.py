@@ -13,10 +13,10 @@ import uuid
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from semantic.engine.messages import Finished, FinishReason, TokenDelta
+from semantic.engine.loop.messages import Finished, FinishReason, TokenDelta
+from semantic.engine.loop.outbox import Outbox
+from semantic.engine.loop.runtime import Runtime
 from semantic.engine.mlx_adapter import generator_seams
-from semantic.engine.outbox import Outbox
-from semantic.engine.runtime import Runtime
 from tests.batch_driver import chat, loop, outbox, runtime, steps_until_finished
 
 __all__ = ["loop", "outbox", "runtime"]  # fixtures

@@ -9,8 +9,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from semantic.engine.cpu_exp import _log2_factors, jit_works
-from semantic.engine.shape_bound_compile import ShapeBoundCompile
+from semantic.engine.cpu.cpu_exp import _log2_factors, jit_works
+from semantic.engine.cpu.shape_bound_compile import ShapeBoundCompile
 
 pytestmark = pytest.mark.skipif(not jit_works(), reason="mx.compile cannot build CPU kernels here")
 

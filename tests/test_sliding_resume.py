@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
+from semantic.actors.engine_client import EngineConfig
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest
-from semantic.engine.engine import EngineConfig
-from semantic.engine.messages import PromptStarted, TokenDelta
-from semantic.engine.sampling import SamplingParams
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.messages import PromptStarted, TokenDelta
 from semantic.storage.agent_id import AgentId
 from tests.agent_api_client import _loaded, cold_continuation
 from tests.arch_configs import ARCHITECTURES

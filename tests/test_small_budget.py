@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from semantic.actors.engine_client import EngineConfig
 from semantic.actors.system import AgentSystem, SystemConfig
-from semantic.engine.commands import InspectPool, ListCaches
-from semantic.engine.engine import EngineConfig
+from semantic.engine.loop.commands import InspectPool, ListCaches
 
 # SmolLM2-135M in float32: 45 KiB of KV a token, so 16-token blocks in 4 MiB make a pool of 5.
 TINY_BUDGET = EngineConfig(block_size=16, cache_budget_mb=4)

@@ -12,13 +12,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from semantic.engine.commands import Submit
-from semantic.engine.config import EngineConfig, EngineStats
-from semantic.engine.messages import EventChannel, Finished, GenerationRequest
-from semantic.engine.outbox import Outbox
-from semantic.engine.runtime import Runtime
-from semantic.engine.sampling import SamplingParams
-from semantic.engine.step_costs import StepCosts
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import Submit
+from semantic.engine.loop.config import EngineConfig, EngineStats
+from semantic.engine.loop.messages import EventChannel, Finished, GenerationRequest
+from semantic.engine.loop.outbox import Outbox
+from semantic.engine.loop.runtime import Runtime
+from semantic.engine.scheduling.step_costs import StepCosts
 
 CODE = "\n".join(f"def function_{i}(x, y):\n    total = x + y + {i}\n    return total\n" for i in range(6))
 REQUESTS = [

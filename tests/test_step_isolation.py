@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from semantic import AgentSystem, EngineConfig, SystemConfig
-from semantic.engine.cache_tensors import HostSnapshot
-from semantic.engine.commands import RestoreCache
-from semantic.engine.errors import UnsteppableCacheError
-from semantic.engine.messages import Finished, TokenDelta
-from semantic.engine.outbox import Outbox
-from semantic.engine.runtime import Runtime
+from semantic.engine.cache_store.cache_tensors import HostSnapshot
+from semantic.engine.loop.commands import RestoreCache
+from semantic.engine.loop.errors import UnsteppableCacheError
+from semantic.engine.loop.messages import Finished, TokenDelta
+from semantic.engine.loop.outbox import Outbox
+from semantic.engine.loop.runtime import Runtime
 from semantic.storage.cache_file import read_cache_file
 from tests.batch_driver import chat, deliver, drain, loop, outbox, runtime, submit
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from semantic import cli
-from semantic.engine.block_pool import BlockPool, hash_prefix_blocks
+from semantic.engine.cache_store.block_pool import BlockPool, hash_prefix_blocks
 from semantic.protocols.settings import load_settings
 from tests.server_process import ServerProcess
 

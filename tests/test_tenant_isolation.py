@@ -27,12 +27,12 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
 from semantic.actors.system import SystemConfig
-from semantic.engine.agent_cache import AgentCacheStore
-from semantic.engine.block_pool import BlockPool
-from semantic.engine.cache_pins import CachePin
-from semantic.engine.cache_spec import LayerKind, ModelCacheSpec
-from semantic.engine.config import EngineConfig
-from semantic.engine.eviction import EvictionPolicy
+from semantic.engine.cache_store.agent_cache import AgentCacheStore
+from semantic.engine.cache_store.block_pool import BlockPool
+from semantic.engine.cache_store.cache_spec import LayerKind, ModelCacheSpec
+from semantic.engine.cache_store.eviction import EvictionPolicy
+from semantic.engine.cache_store.prefix_pins import CachePin
+from semantic.engine.loop.config import EngineConfig
 from semantic.protocols.app import create_app
 from semantic.protocols.common import SYSTEM_KEY
 from semantic.protocols.settings import load_settings

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from semantic.engine.commands import ReferenceGenerate
-from semantic.engine.engine import Engine, EngineConfig, EngineError
-from semantic.engine.messages import Finished, GenerationRequest, TokenDelta
-from semantic.engine.sampling import SamplingParams
+from semantic.actors.engine_client import Engine, EngineConfig, EngineError
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import ReferenceGenerate
+from semantic.engine.loop.messages import Finished, GenerationRequest, TokenDelta
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

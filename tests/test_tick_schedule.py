@@ -1,13 +1,13 @@
-"""The tick's plan (engine/tick_schedule.py) from plain data, without a model: order, the max-wait rule,
-overtaking, refusals, room made by eviction, and what the slots and the pool allow."""
+"""The tick's plan (engine/scheduling/tick_schedule.py) from plain data, without a model: order, the
+max-wait rule, overtaking, refusals, room made by eviction, and what the slots and the pool allow."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semantic.engine.eviction import EvictionPolicy
-from semantic.engine.tick_schedule import (
+from semantic.engine.cache_store.eviction import EvictionPolicy
+from semantic.engine.scheduling.tick_schedule import (
     Admit,
     BatchSummary,
     DropSharedState,

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from semantic.engine.text_stream import TextStream, text_before
-from semantic.engine.token_logprobs import TokenTexts
+from semantic.engine.decoding.text_stream import TextStream, text_before
+from semantic.engine.decoding.token_logprobs import TokenTexts
 
 
 @pytest.fixture(scope="module")

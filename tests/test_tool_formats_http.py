@@ -22,11 +22,13 @@ import openai
 import pytest
 from aiohttp import web
 
+from semantic.actors.engine_client import EngineConfig
+from semantic.actors.prompting.chat_format import ChatFormat
+from semantic.actors.request_stream import RequestStream
 from semantic.actors.system import SystemConfig
 from semantic.actors.turns import TurnRequest, TurnStarted, prepare_stateless
-from semantic.engine.chat_format import ChatFormat
-from semantic.engine.engine import EngineConfig
-from semantic.engine.messages import (
+from semantic.engine.decoding.text_stream import TextStream
+from semantic.engine.loop.messages import (
     EventChannel,
     Finished,
     FinishReason,
@@ -34,8 +36,6 @@ from semantic.engine.messages import (
     PromptStarted,
     TokenDelta,
 )
-from semantic.engine.request_stream import RequestStream
-from semantic.engine.text_stream import TextStream
 from semantic.protocols.app import create_app
 from semantic.protocols.common import SYSTEM_KEY
 from semantic.protocols.settings import Settings

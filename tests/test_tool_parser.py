@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from semantic.engine.chat_format import ChatFormat
-from semantic.engine.tool_format import HERMES, ToolFormat
+from semantic.actors.prompting.chat_format import ChatFormat
+from semantic.actors.prompting.tool_format import HERMES, ToolFormat
 from semantic.protocols.tool_parser import (
     ParsedPart,
     TextPart,

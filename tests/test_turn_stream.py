@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from semantic.actors.engine_client import EngineConfig
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.actors.turns import TurnRequest
-from semantic.engine.engine import EngineConfig
-from semantic.engine.messages import Finished, FinishReason
-from semantic.engine.sampling import SamplingParams
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.messages import Finished, FinishReason
 from semantic.storage.agent_id import AgentId
 from semantic.storage.conversation_file import read_conversation
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from semantic.engine.ngram_drafts import PRIOR_ACCEPTANCE, DraftLength
-from semantic.engine.sampling import SamplingParams
-from semantic.engine.speculation import MARGIN, Speculation
-from semantic.engine.step_costs import StepCosts
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.scheduling.step_costs import StepCosts
+from semantic.engine.speculation.drafting import MARGIN, Speculation
+from semantic.engine.speculation.ngram_drafts import PRIOR_ACCEPTANCE, DraftLength
 
 
 def measured(num_rows: int, seconds_by_width: dict[int, float]) -> Speculation:

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from loguru import logger
 
-from semantic.engine import weights_digest
-from semantic.engine.loading import fingerprint_model, legacy_fingerprint
+from semantic.engine.model import weights_digest
+from semantic.engine.model.loading import fingerprint_model, legacy_fingerprint
 from semantic.storage.agent_id import AgentId
 from semantic.storage.agents_folder import CONVERSATION_SUFFIX
 from semantic.storage.cache_file import CacheIdentity, write_cache_file

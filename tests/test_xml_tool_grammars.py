@@ -1,5 +1,5 @@
 """Guided and strict tool calls in the formats whose arguments are not one JSON object (issue 80):
-Qwen3-Coder, GLM-4.7, MiniMax-M2 and pythonic. Each family's grammar (engine/tool_call_grammars.py)
+Qwen3-Coder, GLM-4.7, MiniMax-M2 and pythonic. Each family's grammar (actors/prompting/tool_call_grammars.py)
 is checked against mlx-lm's own parser for it, through our ToolCallParser: a call as the family's
 chat template renders it is accepted when the parser reads it back as written, and whatever the
 grammar accepts (adversarial values, random walks through its masks) the parser reads as a call
@@ -23,17 +23,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llguidance import LLTokenizer
 
-from semantic.actors.turns import ForcedCall, ToolChoice, TurnRequest, output_grammar
-from semantic.engine.chat_format import ChatFormat
-from semantic.engine.grammar import TRIGGER_SEPARATOR, GrammarCompiler, GrammarError, GrammarMatcher
-from semantic.engine.sampling import SamplingParams
-from semantic.engine.tool_call_grammars import (
+from semantic.actors.prompting.chat_format import ChatFormat
+from semantic.actors.prompting.tool_call_grammars import (
     _SPACE,
     CallGrammars,
     Tools,
     _pattern_without,
     call_grammars,
 )
+from semantic.actors.turns import ForcedCall, ToolChoice, TurnRequest, output_grammar
+from semantic.engine.decoding.grammar_matcher import (
+    TRIGGER_SEPARATOR,
+    GrammarCompiler,
+    GrammarError,
+    GrammarMatcher,
+)
+from semantic.engine.decoding.sampling import SamplingParams
 from semantic.protocols.tool_parser import TextPart, ToolCallEnd, ToolCallParser
 from tests.tool_call_samples import BY_KEY, TOOLS, tokenizer_for
 

@@ -19,7 +19,7 @@ from typing import Any
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.model.default_model import ensure_default_model
 
 ARGUMENTS = {"city": "Paris", "days": 3}
 WEATHER = {

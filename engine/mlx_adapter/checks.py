@@ -12,7 +12,7 @@ from typing import Any
 
 from loguru import logger
 
-from semantic.engine.cache_spec import UnsupportedModelError
+from semantic.engine.cache_store.cache_spec import UnsupportedModelError
 from semantic.engine.mlx_adapter.api import MLX_LM_VERSION, BatchGenerator
 from semantic.engine.mlx_adapter.generator_seams import check_generator, check_responses
 from semantic.engine.mlx_adapter.kv_seams import check_kv_seams

@@ -27,7 +27,7 @@ from semantic.engine.mlx_adapter.last_token_fold import (
 )
 from semantic.engine.mlx_adapter.mixed_step import MixedForward, mixed_forward_for
 from semantic.engine.mlx_adapter.speculative_batch import speculative
-from semantic.engine.speculation import Speculation
+from semantic.engine.speculation.drafting import Speculation
 
 
 class GeneratorFactory:

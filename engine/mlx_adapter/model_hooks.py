@@ -34,7 +34,7 @@ import mlx.core as mx
 from loguru import logger
 from mlx_lm.models import activations, base
 
-from semantic.engine import cpu_attention, cpu_swiglu
+from semantic.engine.cpu import cpu_attention, cpu_swiglu
 from semantic.engine.mlx_adapter.mixed_step import PackedLayerCache, packed_attention
 from semantic.engine.mlx_adapter.seam_check import require
 

@@ -1,6 +1,6 @@
 """mlx-lm's decode batch, with drafted tokens verified in its forward pass (speculative decoding).
 
-On a step where some sequences' drafts are worth verifying (`engine/speculation.py` weighs each
+On a step where some sequences' drafts are worth verifying (`engine/speculation/drafting.py` weighs each
 width against the step times this batch measures), every row is fed its pending token and its
 drafts, right-padded to the longest: one forward pass of B x T tokens reads the
 weights once, as a one-token step does. Each row then keeps the drafts its own logits confirm:
@@ -35,7 +35,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch
 from semantic.engine.mlx_adapter.kv_seams import PLAIN_BATCH_CACHES
 from semantic.engine.mlx_adapter.last_token_fold import GivenLogits
 from semantic.engine.mlx_adapter.seam_check import require
-from semantic.engine.speculation import Drafting, Speculation
+from semantic.engine.speculation.drafting import Drafting, Speculation
 
 
 def _ints(array: mx.array) -> list[int]:

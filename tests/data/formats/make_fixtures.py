@@ -12,7 +12,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.model.default_model import ensure_default_model
 from tests.server_process import ServerProcess
 from tests.tiny_models import write_random_model
 

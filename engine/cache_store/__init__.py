@@ -1,0 +1,1 @@
+"""Agents' KV caches in the block pool: filing, matching, pinning, eviction."""

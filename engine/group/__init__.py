@@ -1,0 +1,1 @@
+"""One model over several processes: the ranks' lock-step ticks."""

@@ -1,0 +1,1 @@
+"""Finding, converting, digesting and loading a model's weights."""

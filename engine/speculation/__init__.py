@@ -1,0 +1,1 @@
+"""Speculative decoding: who drafts, from what, and the drafts' counts."""
