@@ -43,7 +43,7 @@ import aiohttp
 
 from bench.common import RESULTS, percentile, write_results
 from bench.servers import MlxLmServer, Semantic, Server
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.model.default_model import ensure_default_model
 from tests.server_process import ROOT
 
 REPLY_TOKENS = 32

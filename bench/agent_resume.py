@@ -19,10 +19,10 @@ import aiohttp
 
 from bench.common import write_results
 from semantic import AgentId, AgentSystem, SystemConfig, TurnRequest
-from semantic.engine.commands import InspectPool
-from semantic.engine.default_model import ensure_default_model
-from semantic.engine.engine import EngineConfig
-from semantic.engine.sampling import SamplingParams
+from semantic.actors.engine_client import EngineConfig
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import InspectPool
+from semantic.engine.model.default_model import ensure_default_model
 from tests.server_process import ServerProcess
 
 PORT = 8792

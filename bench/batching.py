@@ -28,7 +28,7 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
 from bench.common import write_results
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.model.default_model import ensure_default_model
 from tests.server_process import ServerProcess
 
 CONCURRENCY = [1, 2, 4, 8]

@@ -26,10 +26,10 @@ from mlx_lm import load, stream_generate
 
 from bench.common import RESULTS, write_results
 from semantic import AgentId, AgentSystem, SystemConfig, TurnRequest
-from semantic.engine.default_model import ensure_default_model
-from semantic.engine.engine import EngineConfig
-from semantic.engine.messages import TokenDelta
-from semantic.engine.sampling import SamplingParams
+from semantic.actors.engine_client import EngineConfig
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.messages import TokenDelta
+from semantic.engine.model.default_model import ensure_default_model
 
 NEW_TOKENS = 256
 PROMPT_TOKENS = 500

@@ -27,7 +27,7 @@ from typing import Any
 from safetensors import safe_open
 
 from bench.common import write_results
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.model.default_model import ensure_default_model
 from tests.agent_api_client import call
 from tests.group_process import GroupProcesses
 from tests.server_process import ServerProcess

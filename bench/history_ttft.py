@@ -28,7 +28,7 @@ import aiohttp
 
 from bench.common import RESULTS, write_results
 from bench.servers import MlxLmServer, Semantic, Server
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.model.default_model import ensure_default_model
 from tests.tiny_models import TINY_CONFIGS, build_tiny_model
 
 LONG_LLAMA = {

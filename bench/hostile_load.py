@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 
 from bench.common import write_results
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.model.default_model import ensure_default_model
 from tests.server_process import ServerProcess
 
 HUGE_BYTES = 30 * 2**20

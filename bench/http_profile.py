@@ -34,7 +34,7 @@ from mlx_lm import load
 
 from bench.batching import http_tokens_per_s, raw_tokens_per_s
 from bench.common import RESULTS, ROOT, write_results
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.model.default_model import ensure_default_model
 from tests.server_process import ServerProcess
 
 STREAMS = 8

@@ -34,7 +34,7 @@ import aiohttp
 from bench.common import RESULTS, write_results
 from bench.history_ttft import REPLY_TOKENS, history_text, turn
 from bench.servers import MlxLmServer, Semantic, Server
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.model.default_model import ensure_default_model
 from tests.tiny_models import write_random_model
 
 # SmolLM2-135M's width, depth, MLP, vocabulary and tied embeddings; Qwen3-Next's attention (gated

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_results
-from semantic.engine.commands import InspectPool
-from semantic.engine.default_model import ensure_default_model
-from semantic.engine.engine import Engine, EngineConfig
-from semantic.engine.messages import GenerationRequest, TokenDelta
-from semantic.engine.sampling import SamplingParams
+from semantic.actors.engine_client import Engine, EngineConfig
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import InspectPool
+from semantic.engine.loop.messages import GenerationRequest, TokenDelta
+from semantic.engine.model.default_model import ensure_default_model
 
 AGENTS = 8
 TURNS = 4

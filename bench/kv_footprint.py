@@ -21,11 +21,11 @@ import mlx.core as mx
 
 from bench.common import RESULTS, write_results
 from semantic import AgentId, AgentSystem, SystemConfig, TurnRequest
-from semantic.engine.cache_matching import common_prefix_length
-from semantic.engine.commands import InspectPool
-from semantic.engine.default_model import ensure_default_model
-from semantic.engine.engine import EngineConfig
-from semantic.engine.sampling import SamplingParams
+from semantic.actors.engine_client import EngineConfig
+from semantic.engine.cache_store.cache_matching import common_prefix_length
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.loop.commands import InspectPool
+from semantic.engine.model.default_model import ensure_default_model
 
 RULES = [
     "Read the file before you edit it.",

@@ -20,11 +20,11 @@ import mlx.core as mx
 
 from bench.common import write_results
 from semantic import AgentId, AgentSystem, SystemConfig, TurnRequest
+from semantic.actors.engine_client import EngineConfig
+from semantic.actors.model_registry import ModelEntry
 from semantic.actors.model_session import SwapReport
-from semantic.engine.default_model import ensure_default_model
-from semantic.engine.engine import EngineConfig
-from semantic.engine.registry import ModelEntry
-from semantic.engine.sampling import SamplingParams
+from semantic.engine.decoding.sampling import SamplingParams
+from semantic.engine.model.default_model import ensure_default_model
 from tests.tiny_models import build_tiny_model
 
 ROUNDS = 3

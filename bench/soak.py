@@ -42,7 +42,7 @@ import aiohttp
 
 from bench.common import write_results
 from semantic.actors.heap import HEAP_TRIM_IDLE_S
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.model.default_model import ensure_default_model
 from tests.server_process import ServerProcess
 
 NUM_AGENTS = 24

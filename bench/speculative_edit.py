@@ -58,7 +58,7 @@ import aiohttp
 
 from bench.common import RESULTS, write_results
 from bench.servers import MlxLmServer, Semantic, Server
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.model.default_model import ensure_default_model
 from tests.server_process import ROOT
 
 SYSTEM_PROMPT = (

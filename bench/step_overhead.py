@@ -51,7 +51,7 @@ from bench.batching import TOPICS
 from bench.common import RESULTS, write_results
 from bench.http_profile import _PATH_PREFIX, RATE_HZ, py_spy, record
 from bench.servers import MlxLmServer, Semantic, Server
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.model.default_model import ensure_default_model
 from tests.server_process import ROOT
 from tests.tiny_models import write_random_model
 

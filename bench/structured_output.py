@@ -19,7 +19,7 @@ from typing import Any
 import openai
 
 from bench.common import write_results
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.model.default_model import ensure_default_model
 from tests.server_process import ServerProcess
 
 ITEM = {

@@ -1,6 +1,6 @@
 """The engine's batch stepped by hand while the replay's first turns arrive at the replay's pace:
 each tick's prefill chunk, wall time, what is left to prefill and the prefill budget's estimates
-(D for each number decoding, c, p: engine/prefill_budget.py), one line a tick.
+(D for each number decoding, c, p: engine/scheduling/prefill_budget.py), one line a tick.
 
 Two rounds of eight agents (as bench/agent_replay.py's first turns, arriving 0.05-0.4 s apart):
 the first on a fresh process, the second with other prompts once the first has run. On a GPU the
@@ -20,10 +20,10 @@ import time
 import mlx.core as mx
 
 from bench.agent_replay import REPLY_TOKENS, TOOL_TIME_S, AgentSession
-from semantic.engine.config import EngineConfig, EngineStats
-from semantic.engine.default_model import ensure_default_model
-from semantic.engine.outbox import Outbox
-from semantic.engine.runtime import Runtime
+from semantic.engine.loop.config import EngineConfig, EngineStats
+from semantic.engine.loop.outbox import Outbox
+from semantic.engine.loop.runtime import Runtime
+from semantic.engine.model.default_model import ensure_default_model
 from tests.batch_driver import deliver, submit
 
 NUM_AGENTS = 8
