@@ -7,21 +7,30 @@ Read (its schema given a required enum and closed to other keys) and three more 
 (an array of edits, a list of to-dos with an enum status, a search with nested options). A reply
 counts as a tool-calling turn where it holds a `tool_use` block or call text left as prose; each
 call is well-formed (a declared tool, input valid by `jsonschema`) or a schema violation, and text
-holding a call's markers or JSON is a call leaked as text. The same turns run on a server with
-`--tool-calls free` and one with guided calls (the default). Writes bench/results/tool_calls.json.
+holding a call's markers or JSON is a call leaked as text. A violation in a reply cut by
+`max_tokens` is counted apart as well (the budget cut the call, not the grammar). The same turns
+run on a server with `--tool-calls free` and one with guided calls (the default). The server's
+batch size is sampled from /metrics while the turns run, and each finished request's log line
+gives its drafts kept / proposed (n-gram speculation is on by default on the CPU). Writes
+bench/results/tool_calls.json after each (mode, temperature), so a stopped run keeps what it did.
 
-    python -m semantic.launch python -m bench.tool_calls [--turns 100] [--max-tokens 64]
+    python -m semantic.launch python -m bench.tool_calls [--turns 200] [--max-tokens 64]
+        [--concurrency 16] [--modes free,guided] [--temperatures 1.0,0.7]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import json
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,7 +39,7 @@ import anthropic
 import jsonschema
 
 from bench.common import ROOT, write_results
-from semantic.engine.default_model import ensure_default_model
+from semantic.engine.model.default_model import ensure_default_model
 from tests.server_process import ServerProcess
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -114,6 +123,21 @@ ENCODING = {"enum": ["utf-8", "latin-1"], "description": "The file's text encodi
 LEAK_MARKERS = ("<tool_call>", "</tool_call>", '"arguments"', '{"name"')
 
 
+def tool_model_dir() -> Path:
+    """The tool test model, built once per adapter beside the default model (`just tool-model`)."""
+    built = ensure_default_model().parent / make_tool_model.TOOL_MODEL_NAME
+    if not make_tool_model.is_fused_from(built, make_tool_model.ADAPTER):
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "make_tool_model.py"), "--out", str(built)], check=True
+        )
+    return built
+
+
+def turn_requests(num_turns: int) -> list[dict[str, Any]]:
+    recorded = [s["request"] for s in json.loads(SESSIONS.read_text()) if len(s["request"]["tools"]) == 1]
+    return [turn_request(recorded, index) for index in range(num_turns)]
+
+
 def turn_request(recorded: list[dict[str, Any]], index: int) -> dict[str, Any]:
     request = copy.deepcopy(recorded[0])  # one head for all: only the new path is prefilled per turn
     (read,) = request["tools"]
@@ -148,17 +172,54 @@ def judge(reply: Any, tools: list[dict[str, Any]]) -> dict[str, Any]:
             problems.append(f"text: {block.text[:120]!r}")
     return {
         "stop_reason": reply.stop_reason,
+        "num_output_tokens": reply.usage.output_tokens,
         "well_formed": well_formed,
         "violations": violations,
         "leaked": leaked,
         "problems": problems,
+        # The whole reply where something broke: the exact failing reply, to read, not a summary.
+        "reply": [block.model_dump(exclude_none=True) for block in reply.content] if problems else None,
     }
+
+
+def first_of_each_kind(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    kinds: dict[tuple[str, ...], dict[str, Any]] = {}
+    for turn in turns:
+        kinds.setdefault(tuple(turn["problems"]), turn)
+    return list(kinds.values())
+
+
+class BatchSampler:
+    """Polls the server's `semantic_batch_size` gauge while turns run: proof they decode together."""
+
+    def __init__(self, base_url: str, period_s: float = 0.5) -> None:
+        self._url = f"{base_url}/metrics"
+        self._period_s = period_s
+        self._stop = threading.Event()
+        self.samples: list[int] = []
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> BatchSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._period_s):
+            with urllib.request.urlopen(self._url, timeout=10) as reply:
+                text = reply.read().decode()
+            found = re.search(r"^semantic_batch_size (\S+)$", text, re.MULTILINE)
+            if found:
+                self.samples.append(int(float(found.group(1))))
 
 
 def run_turns(
     server: ServerProcess, requests: list[dict[str, Any]], temperature: float, args: Any
 ) -> dict[str, Any]:
-    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=600)
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0, timeout=1800)
 
     def one(request: dict[str, Any]) -> dict[str, Any]:
         reply = client.messages.create(
@@ -167,9 +228,11 @@ def run_turns(
         return judge(reply, request["tools"])
 
     started = time.perf_counter()
-    with ThreadPoolExecutor(args.concurrency) as pool:
+    with BatchSampler(server.base_url) as batch, ThreadPoolExecutor(args.concurrency) as pool:
         turns = list(pool.map(one, requests))
     calling = [t for t in turns if t["well_formed"] or t["violations"] or t["leaked"]]
+    broken = [t for t in calling if t["violations"] or t["leaked"]]
+    busy = [n for n in batch.samples if n > 0]
     return {
         "temperature": temperature,
         "num_turns": len(turns),
@@ -177,40 +240,74 @@ def run_turns(
         "num_well_formed_calls": sum(t["well_formed"] for t in turns),
         "num_schema_violations": sum(t["violations"] for t in turns),
         "num_calls_leaked_as_text": sum(t["leaked"] for t in turns),
+        "num_broken_turns": len(broken),
+        "num_broken_turns_cut_by_max_tokens": sum(t["stop_reason"] == "max_tokens" for t in broken),
         "num_cut_by_max_tokens": sum(t["stop_reason"] == "max_tokens" for t in turns),
-        "num_broken_turns": sum(1 for t in calling if t["violations"] or t["leaked"]),
+        "output_tokens_max": max(t["num_output_tokens"] for t in turns),
+        "output_tokens_mean": round(sum(t["num_output_tokens"] for t in turns) / len(turns), 1),
         "seconds": round(time.perf_counter() - started, 1),
-        "problems": [p for t in turns for p in t["problems"]][:20],
+        "batch_size_mean": round(sum(busy) / len(busy), 1) if busy else 0,
+        "batch_size_max": max(busy, default=0),
+        # Each kind of problem with its count, and one whole reply of each kind (the commonest can
+        # be every free call: a required field the model was never taught).
+        "problems": dict(collections.Counter(p for t in turns for p in t["problems"]).most_common(20)),
+        "broken_replies": [
+            {"stop_reason": t["stop_reason"], "content": t["reply"]} for t in first_of_each_kind(broken)
+        ][:10],
+    }
+
+
+DRAFTS = re.compile(r"POST /v1/messages 200 .* generated=(\d+) drafts=(\d+)/(\d+) ")
+
+
+def drafting(log: str) -> dict[str, Any]:
+    """Drafts kept / proposed over the finished requests' log lines, and a few of those lines."""
+    lines = [line for line in log.splitlines() if DRAFTS.search(line)]
+    counts = [tuple(int(n) for n in DRAFTS.search(line).groups()) for line in lines]  # type: ignore[union-attr]
+    return {
+        "num_requests": len(counts),
+        "num_requests_drafting": sum(proposed > 0 for _, _, proposed in counts),
+        "drafts_kept": sum(kept for _, kept, _ in counts),
+        "drafts_proposed": sum(proposed for _, _, proposed in counts),
+        "tokens_generated": sum(generated for generated, _, _ in counts),
+        "log_excerpt": [
+            line[line.index("POST") :]
+            for line, (_, _, proposed) in zip(lines, counts, strict=True)
+            if proposed
+        ][:3],
+        "broken_call_warnings": [line for line in log.splitlines() if "tool call in the" in line][:10],
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--turns", type=int, default=100, help="turns per temperature and mode")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=200, help="turns per temperature and mode")
+    parser.add_argument("--max-tokens", type=int, default=64, help="a guided Read call takes about 50")
+    parser.add_argument("--concurrency", type=int, default=16, help="the server's default batch size")
+    parser.add_argument("--modes", default="free,guided")
+    parser.add_argument("--temperatures", default=",".join(str(t) for t in TEMPERATURES))
+    parser.add_argument("--output", default="tool_calls", help="results file name, without .json")
     args = parser.parse_args()
-    built = ensure_default_model().parent / make_tool_model.TOOL_MODEL_NAME
-    if not make_tool_model.is_fused_from(built, make_tool_model.ADAPTER):
-        subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / "make_tool_model.py"), "--out", str(built)], check=True
-        )
-    recorded = [s["request"] for s in json.loads(SESSIONS.read_text()) if len(s["request"]["tools"]) == 1]
-    requests = [turn_request(recorded, index) for index in range(args.turns)]
+    built = tool_model_dir()
+    requests = turn_requests(args.turns)
     results: dict[str, Any] = {
         "model": built.name,
         "tools": [tool["name"] for tool in requests[0]["tools"]],
         "max_tokens": args.max_tokens,
         "concurrency": args.concurrency,
     }
-    for mode in ("free", "guided"):
+    for mode in args.modes.split(","):
+        results[mode] = []
         with tempfile.TemporaryDirectory() as cache_dir:
             server = ServerProcess(Path(cache_dir), "--model", str(built), "--tool-calls", mode).start()
             try:
-                results[mode] = [run_turns(server, requests, t, args) for t in TEMPERATURES]
+                for temperature in (float(t) for t in args.temperatures.split(",")):
+                    results[mode].append(run_turns(server, requests, temperature, args))
+                    write_results(args.output, results)
             finally:
                 server.stop()
-    write_results("tool_calls", results)
+                results[f"{mode}_drafting"] = drafting(server.log())
+        write_results(args.output, results)
 
 
 if __name__ == "__main__":
