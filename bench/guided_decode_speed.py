@@ -9,7 +9,9 @@ minutes, the two modes' batches then run minutes apart at most. The rates come f
 own JSON log: each request's first token (its start plus `ttft_s`) and end; the batch's rate is the
 tokens after each reply's first over the span from the earliest first token to the last end, and
 each reply's own rate is its tokens after the first over its own span. A ratio is guided over free,
-of the medians and of each repetition's pair.
+of the medians and of each repetition's pair. Beside the wall-clock rates, each batch's tokens per
+second of the server's own CPU time (all its threads, from /proc): on a machine others share, the
+wall clock measures them as much as us, while the CPU time a batch takes moves far less.
 
 Two models:
 - the tool test model, whose greedy replies are Read calls, so a guided row spends most of its
@@ -19,7 +21,8 @@ Two models:
   to expose what guidance costs a step: its text never opens a call, so a guided row only watches
   for the call's opening (the lazy grammar's trigger), as a guided turn does while it writes text.
 
-`--profile` then samples each mode's server with py-spy while the small model's batches decode.
+`--profile` then samples each mode's server with py-spy while batches decode (both models, drafting
+off): the engine thread's share of samples inside the grammar is where guidance spends a step.
 Writes bench/results/guided_decode_speed.json.
 
     python -m semantic.launch .venv/bin/python -m bench.guided_decode_speed [--reps 5] [--profile]
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -41,7 +45,7 @@ import anthropic
 
 from bench.common import write_results
 from bench.http_profile import py_spy, record
-from bench.step_overhead import FAST_LLAMA, PROFILE_S, summarise
+from bench.step_overhead import ENGINE_THREAD, FAST_LLAMA, PROFILE_S, summarise
 from bench.tool_calls import tool_model_dir, turn_requests
 from semantic.engine.model.default_model import ensure_default_model
 from tests.server_process import ServerProcess
@@ -101,6 +105,14 @@ def rates(entries: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def cpu_seconds(server: ServerProcess) -> float:
+    """The server process's CPU time so far, all threads (Linux): what a batch cost it, however many
+    other processes took the cores meanwhile."""
+    assert server.proc is not None
+    fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def start(model_dir: Path, mode: str, extra: list[str], scratch: Path, *more: str) -> ServerProcess:
     args = ("--model", str(model_dir), "--tool-calls", mode, *more, *extra)
     return ServerProcess(scratch / f"{model_dir.name}-{mode}-{'_'.join(extra)}", *args).start()
@@ -118,11 +130,17 @@ def compare(model_dir: Path, extra: list[str], max_tokens: int, reps: int, scrat
             send(servers[mode], requests[BATCH:], max_tokens, "warm")  # the shared prompt, the grammar
         for rep in range(reps):
             for mode in MODES if rep % 2 == 0 else reversed(MODES):
+                cpu_before = cpu_seconds(servers[mode])
                 replies = send(servers[mode], requests[:BATCH], max_tokens, f"m{rep}")
+                cpu_s = cpu_seconds(servers[mode]) - cpu_before
                 entries = logged(servers[mode], f"m{rep}")
                 assert len(entries) == BATCH, f"{len(entries)} of {BATCH} log lines found"
                 calls = sum(block.type == "tool_use" for reply in replies for block in reply.content)
                 sample = {"mode": mode, "rep": rep, "tool_calls": calls, **rates(entries)}
+                sample |= {
+                    "cpu_s": round(cpu_s, 2),
+                    "tokens_per_cpu_s": round(sum(sample["tokens"]) / cpu_s, 2),
+                }
                 print(f"{model_dir.name} {extra} rep {rep} {mode}: {sample['batch_tok_s']} tok/s", flush=True)
                 samples.append(sample)
     finally:
@@ -132,23 +150,34 @@ def compare(model_dir: Path, extra: list[str], max_tokens: int, reps: int, scrat
     def median(mode: str, key: str) -> float:
         return round(statistics.median(s[key] for s in samples if s["mode"] == mode), 2)
 
-    by_rep = {(s["rep"], s["mode"]): s["batch_tok_s"] for s in samples}
-    per_rep = [round(by_rep[rep, "guided"] / by_rep[rep, "free"], 3) for rep in range(reps)]
+    def per_rep(key: str) -> list[float]:
+        by_rep = {(s["rep"], s["mode"]): s[key] for s in samples}
+        return [round(by_rep[rep, "guided"] / by_rep[rep, "free"], 3) for rep in range(reps)]
+
     return {
         "model": model_dir.name,
         "server_args": extra,
         "max_tokens": max_tokens,
         "batch_tok_s_median": {mode: median(mode, "batch_tok_s") for mode in MODES},
         "row_tok_s_median": {mode: median(mode, "row_tok_s_median") for mode in MODES},
+        "tokens_per_cpu_s_median": {mode: median(mode, "tokens_per_cpu_s") for mode in MODES},
         "guided_over_free": round(median("guided", "batch_tok_s") / median("free", "batch_tok_s"), 3),
-        "guided_over_free_per_rep": per_rep,
-        "guided_over_free_median_of_reps": round(statistics.median(per_rep), 3),
+        "guided_over_free_per_rep": per_rep("batch_tok_s"),
+        "guided_over_free_median_of_reps": round(statistics.median(per_rep("batch_tok_s")), 3),
+        "cpu_guided_over_free": round(
+            median("guided", "tokens_per_cpu_s") / median("free", "tokens_per_cpu_s"), 3
+        ),
+        "cpu_guided_over_free_per_rep": per_rep("tokens_per_cpu_s"),
         "samples": samples,
     }
 
 
-def profile(model_dir: Path, mode: str, extra: list[str], max_tokens: int, scratch: Path) -> dict[str, Any]:
-    """py-spy on one mode's server for PROFILE_S seconds while batches of 8 decode back to back."""
+def profile(
+    model_dir: Path, mode: str, extra: list[str], max_tokens: int, scratch: Path, seconds: int
+) -> dict[str, Any]:
+    """py-spy on one mode's server for `seconds` while batches of 8 decode back to back: the engine
+    thread's top functions, and the share of its samples inside the grammar matcher
+    (engine/decoding/grammar_matcher.py)."""
     spy = py_spy()
     if spy is None:
         return {"error": "py-spy not found"}
@@ -157,9 +186,9 @@ def profile(model_dir: Path, mode: str, extra: list[str], max_tokens: int, scrat
     try:
         send(server, requests, max_tokens, "warm")
         assert server.proc is not None
-        stacks = scratch / f"profile-{mode}.txt"
-        spying = record(spy, server.proc.pid, stacks, PROFILE_S, "--threads")
-        stop = time.monotonic() + PROFILE_S + 1
+        stacks = scratch / f"profile-{model_dir.name}-{mode}.txt"
+        spying = record(spy, server.proc.pid, stacks, seconds, "--threads")
+        stop = time.monotonic() + seconds + 1
         while time.monotonic() < stop:
             send(server, requests, max_tokens, "profiled")
         _, errors = spying.communicate(timeout=60)
@@ -167,7 +196,21 @@ def profile(model_dir: Path, mode: str, extra: list[str], max_tokens: int, scrat
         server.stop()
     if spying.returncode or not stacks.exists():
         return {"error": errors.decode(errors="replace")[-500:]}
-    return summarise(stacks)
+    engine = grammar = 0
+    for line in stacks.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack.split(";", 1)[0].endswith(ENGINE_THREAD):
+            engine += int(count)
+            grammar += int(count) * ("grammar_matcher.py:" in stack)
+    found = summarise(stacks)
+    return {
+        "model": model_dir.name,
+        "seconds": seconds,
+        "engine_samples": engine,
+        "engine_share_in_grammar": round(grammar / max(engine, 1), 4),
+        "engine_top_leaf": found["engine_top_leaf"],
+        "engine_top_inclusive": found["engine_top_inclusive"],
+    }
 
 
 def main() -> None:
@@ -176,7 +219,7 @@ def main() -> None:
     parser.add_argument("--small-reps", type=int, default=10, help="small model: batches of each mode")
     parser.add_argument("--tool-max-tokens", type=int, default=64, help="the tool model's calls take ~50")
     parser.add_argument("--small-max-tokens", type=int, default=512)
-    parser.add_argument("--profile", action="store_true", help="py-spy each mode on the small model")
+    parser.add_argument("--profile", action="store_true", help="py-spy each mode's server, each model")
     args = parser.parse_args()
     results: dict[str, Any] = {"batch": BATCH, "cases": []}
     with tempfile.TemporaryDirectory(prefix="semantic-guided-") as tmp:
@@ -192,10 +235,14 @@ def main() -> None:
             results["cases"].append(compare(model_dir, extra, max_tokens, reps, scratch))
             write_results("guided_decode_speed", results)
         if args.profile:
-            results["profile"] = {
-                mode: profile(small, mode, ["--speculate", "off"], args.small_max_tokens, scratch)
+            results["profile"] = [
+                profile(model_dir, mode, extra, max_tokens, scratch, seconds)
+                for model_dir, extra, max_tokens, seconds in (
+                    (small, ["--speculate", "off"], args.small_max_tokens, PROFILE_S),
+                    (tool_model, ["--speculate", "off"], args.tool_max_tokens, 3 * PROFILE_S),
+                )
                 for mode in MODES
-            }
+            ]
     write_results("guided_decode_speed", results)
 
 
