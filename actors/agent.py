@@ -35,7 +35,7 @@ from semantic.actors.agent_messages import (
     StartTurn,
 )
 from semantic.actors.cache_miss import CacheReport, RequestDigest, TurnNote, history_of
-from semantic.actors.cache_notes import CacheNotes, explain_turn
+from semantic.actors.cache_notes import CacheNotes, explain_turn, explainer
 from semantic.actors.engine_client import Engine
 from semantic.actors.history_marks import HistoryMark, HistoryMarks
 from semantic.actors.kept_conversation import KeptConversation
@@ -176,16 +176,22 @@ class AgentActor:
                 turn.model, turn.may_switch_model
             ) as session:  # held until submitted
                 conversation = await self._conversation.current(session) if turn.keeps_conversation else None
-                prompt, request = await build_request(
-                    self._models, session, conversation, turn, self.max_prompt_tokens
-                )
                 kept = conversation.token_ids if conversation is not None else None
-                explaining = (self._models, session, self._cache_notes, self.agent_id, kept, turn, prompt)
+                notes, agent_id = self._cache_notes, self.agent_id
+                prompt, request, explained = await build_request(  # the turn's one tokenizer job
+                    self._models,
+                    session,
+                    conversation,
+                    turn,
+                    self.max_prompt_tokens,
+                    explainer(session, notes, agent_id, kept, turn),
+                )
+                explaining = (self._models, session, notes, agent_id, kept, turn, prompt, explained)
                 is_fork = conversation is None and self._is_side_request(session, prompt)
                 # A fork leaves this agent's cache alone: the engine matches it by content or starts one.
                 request.agent_id = None if is_fork else self.agent_id
                 stream, restore, (cache, digest) = await self._submit(
-                    session, request, turn.cache_salt, explaining
+                    session, request, turn.cache_salt, explaining, holds_final=not is_fork
                 )
                 if is_fork:
                     return self._answer_fork(reply, session, prompt, stream, cache, restore)
@@ -207,7 +213,6 @@ class AgentActor:
         cache: tuple[CacheReport, RequestDigest | None],
         restore: RestoreDecision | None,
     ) -> None:
-        stream.hold_final()  # the reader gets Finished only once this turn is committed
         if reply.done():  # the asker left (a client that disconnected) before the turn started
             stream.cancel()
         else:
@@ -279,18 +284,23 @@ class AgentActor:
         request: GenerationRequest,
         cache_salt: str | None,
         explaining: tuple[Any, ...],
+        holds_final: bool,
     ) -> tuple[RequestStream, RestoreDecision | None, Explained]:
         """Submit the turn, behind the agent's cache if that has to be read from disk (the engine
         thread takes its messages in order), then settle the restore's answer; with the restore's
         decision where one was made, and the turn explained (`explain_turn` of `explaining`) before
-        the submit (headers go first), after the read (a restarted server's note is the file's)."""
+        the submit (headers go first), after the read (a restarted server's note is the file's).
+        With `holds_final` the stream keeps the engine's Finished for `_finish_turn` from the start."""
         restoring, decision, explained = await self._send_cache_from_disk(
             session, request.request_id, cache_salt, explaining
         )
         try:
             if explained is None:  # no file read: explained from what the agent's notes hold
                 explained = await explain_turn(*explaining)
-            return self._engine.submit(request), decision, explained
+            stream = self._engine.submit(request)
+            if holds_final:  # before this task yields: no event can have reached the stream yet
+                stream.hold_final()
+            return stream, decision, explained
         finally:
             if restoring is not None:
                 await self._settle_restore(session, restoring)
@@ -336,7 +346,7 @@ class AgentActor:
         if self._cache_notes.note_of(agent_id) is None:  # a restart: the file holds the history
             history = history_of(cache.tensors["tokens"].tolist(), ())
             self._cache_notes.record(agent_id, TurnNote(fingerprint, history, None))
-        # Explained now, from the file's history, so that the submit follows the restore at once.
+        # Explained now (again, where the note is the file's), so the submit follows the restore at once.
         explained = await explain_turn(*explaining)
         try:
             return self._engine.send(RestoreCache(cache, fingerprint, cache_salt)), decision, explained

@@ -1,5 +1,6 @@
 """Each named agent's last cache note and hit/miss counts (cache_miss.py says what they mean), and
-the step that explains a turn's prompt before it is submitted.
+the step that explains a turn's prompt before it is submitted: worked out in the tokenizer job that
+makes the prompt (`explainer`), counted on the event loop (`explain_turn`).
 
 One `CacheNotes` serves every actor of the system on the event loop, and outlives actors that idle
 out; it is bounded in agents and in the history tokens its notes hold, least recently used first.
@@ -7,7 +8,9 @@ out; it is bounded in agents and in the history tokens its notes hold, least rec
 
 from __future__ import annotations
 
+import functools
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from semantic.actors.cache_miss import (
@@ -21,6 +24,7 @@ from semantic.actors.cache_miss import (
 )
 from semantic.actors.model_session import ModelSession
 from semantic.actors.models import ModelHost
+from semantic.actors.prompting.chat_format import ChatFormat
 from semantic.actors.turns import PreparedPrompt, TurnRequest
 from semantic.storage.agent_id import AgentId
 
@@ -86,6 +90,40 @@ class CacheNotes:
             self._num_history_tokens -= len(dropped.history)
 
 
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """A turn's report and digest, worked out in the tokenizer worker against `note`, the agent's
+    note when the turn's prompt was made."""
+
+    note: TurnNote | None
+    report: CacheReport
+    digest: RequestDigest | None
+
+
+Explainer = Callable[[list[int]], Explanation]  # run on the prompt's token ids, in the worker
+
+
+def explainer(
+    session: ModelSession,
+    notes: CacheNotes,
+    agent_id: AgentId | None,
+    kept_history: list[int] | None,
+    turn: TurnRequest,
+) -> Explainer | None:
+    """What the tokenizer job that makes the turn's prompt runs to explain it against the agent's
+    note as it is now; None where `explain_turn` needs no worker (no agent, a kept conversation)."""
+    if agent_id is None or kept_history is not None:
+        return None
+    note = notes.note_of(agent_id)
+    return functools.partial(_explain_against, session.chat, note, session.loaded.fingerprint, turn)
+
+
+def _explain_against(
+    chat: ChatFormat, note: TurnNote | None, fingerprint: str, turn: TurnRequest, prompt_ids: list[int]
+) -> Explanation:
+    return Explanation(note, *explain_in_worker(chat, note, fingerprint, turn, prompt_ids))
+
+
 async def explain_turn(
     models: ModelHost,
     session: ModelSession,
@@ -94,9 +132,12 @@ async def explain_turn(
     kept_history: list[int] | None,
     turn: TurnRequest,
     prompt: PreparedPrompt,
+    explained: Explanation | None = None,
 ) -> tuple[CacheReport, RequestDigest | None]:
     """How a turn's prompt meets its agent's cached history (a kept conversation's tokens where the
-    agent keeps one), counted in `notes`; and the digest for the note the turn will leave."""
+    agent keeps one), counted in `notes`; and the digest for the note the turn will leave.
+    `explained` (from `explainer`) is used while the agent's note is still the one it was made
+    against; otherwise (a restart's note, recorded from the agent's file) the worker explains again."""
     fingerprint = session.loaded.fingerprint
     if agent_id is None:
         report, digest = CacheReport(Reason.NO_AGENT), None
@@ -105,7 +146,10 @@ async def explain_turn(
         report, digest = explain(note, fingerprint, prompt.token_ids, None), None
     else:
         note = notes.note_of(agent_id)
-        explaining = (session.chat, note, fingerprint, turn, prompt.token_ids)
-        report, digest = await models.in_tokenizer_worker(explain_in_worker, *explaining)
+        if explained is not None and explained.note is note:
+            report, digest = explained.report, explained.digest
+        else:
+            explaining = (session.chat, note, fingerprint, turn, prompt.token_ids)
+            report, digest = await models.in_tokenizer_worker(explain_in_worker, *explaining)
     notes.count(agent_id, report)
     return report, digest

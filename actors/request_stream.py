@@ -1,9 +1,10 @@
 """The asyncio side of one request: read its events; `cancel` frees its batch slot.
 
 One queue carries a request's events to its one reader. An owner that must make the turn durable
-first (an agent actor saving a kept conversation) calls `hold_final`: the engine's `Finished` then
-resolves `done` but is not read; the owner `finish`es the stream with it once committed, or with
-the error that stopped the commit, so the reader sees one final event and it means durable.
+first (an agent actor saving a kept conversation) calls `hold_final` as it submits: the engine's
+`Finished` then resolves `done` and never enters the queue; the owner `finish`es the stream with it
+once committed, or with the error that stopped the commit, so the final event travels once and
+the reader's means durable.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ class RequestStream:
         self._cancel = cancel
         self.finished: Finished | None = None
         self.observers: list[Callable[[Event], None]] = []  # see every event as it is read
-        self._holds_final = False
-        self._released: Finished | None = None  # the owner's final event, the one the reader reads
 
     @property
     def done(self) -> asyncio.Future[Finished | BaseException]:
@@ -32,14 +31,15 @@ class RequestStream:
         return self._events.done
 
     def hold_final(self) -> None:
-        """Keep the engine's Finished from the reader until `finish` (before handing the stream out)."""
-        self._holds_final = True
+        """Keep the engine's Finished from the reader until `finish`: called before any event can
+        arrive (before the submitting task yields), as one already queued would be the reader's."""
+        assert self._events.queue.empty() and not self.done.done(), "final held too late: caller bug"
+        self._events.holds_final = True
 
     def finish(self, final: Finished | BaseException) -> None:
         """The owner's last word: the engine's Finished once the turn is durable, or the error that
         kept it from being so (raised to the reader)."""
-        if isinstance(final, Finished):
-            self._released = final
+        assert self._events.holds_final, "finish of a stream whose final event is not held: caller bug"
         self._events.queue.put_nowait(final)
 
     def cancel(self) -> None:
@@ -55,11 +55,7 @@ class RequestStream:
     async def read(self) -> Event:
         """The next event; an error event is raised. Safe to cancel (a keep-alive's timeout): only
         the wait is cancelled, no event is lost."""
-        while True:
-            event = await self._events.queue.get()
-            held = isinstance(event, Finished) and self._holds_final and event is not self._released
-            if not held:  # the engine's Finished of a held stream: its owner finishes the stream
-                break
+        event = await self._events.queue.get()
         for observe in self.observers:
             observe(event)
         if isinstance(event, BaseException):

@@ -22,21 +22,23 @@ import mlx.core as mx
 from bench.agent_replay import REPLY_TOKENS, TOOL_TIME_S, AgentSession
 from semantic.engine.loop.config import EngineConfig, EngineStats
 from semantic.engine.loop.outbox import Outbox
-from semantic.engine.loop.runtime import Runtime
+from semantic.engine.loop.served_model import ServedModel
 from semantic.engine.model.default_model import ensure_default_model
 from tests.batch_driver import deliver, submit
 
 NUM_AGENTS = 8
 
 
-def trace_round(runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop, first_agent: int) -> None:
-    tokenizer, batch = runtime.loaded.tokenizer, runtime.batch
+def trace_round(
+    served: ServedModel, outbox: Outbox, loop: asyncio.AbstractEventLoop, first_agent: int
+) -> None:
+    tokenizer, batch = served.loaded.tokenizer, served.batch
 
     def submit_first_turn(index: int) -> None:
         session = AgentSession(index, shared_prompt=index % 2 == 0)
         session.next_turn(0)
         prompt = list(tokenizer.apply_chat_template(session.messages, add_generation_prompt=True))
-        submit(runtime, loop, prompt, REPLY_TOKENS)
+        submit(served, loop, prompt, REPLY_TOKENS)
 
     rng = random.Random(first_agent)
     due = sorted((rng.uniform(*TOOL_TIME_S), first_agent + i) for i in range(NUM_AGENTS))
@@ -52,7 +54,7 @@ def trace_round(runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoo
         stepped = time.perf_counter()
         batch.step()
         elapsed = time.perf_counter() - stepped
-        deliver(runtime, outbox, loop)
+        deliver(served, outbox, loop)
         budget = batch.prefill_budget
         left = [s.num_left_to_prefill for s in batch.running.values() if s.is_prefilling]
         decode_ms = {n: round(s * 1e3, 1) for n, s in budget.decode_steps.items()}
@@ -78,9 +80,9 @@ def main() -> None:
     )
     stream = mx.new_stream(mx.default_device())
     with mx.stream(stream):
-        runtime = Runtime.load(config.model, None, config, stream, EngineStats(), outbox)
+        served = ServedModel.load(config.model, None, config, stream, EngineStats(), outbox)
         for first_agent in (10_000, 0):
-            trace_round(runtime, outbox, loop, first_agent)
+            trace_round(served, outbox, loop, first_agent)
 
 
 if __name__ == "__main__":

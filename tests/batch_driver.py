@@ -18,7 +18,7 @@ from semantic.engine.loop.commands import Submit
 from semantic.engine.loop.config import EngineConfig, EngineStats
 from semantic.engine.loop.messages import Event, EventChannel, Finished, GenerationRequest, TokenDelta
 from semantic.engine.loop.outbox import Outbox
-from semantic.engine.loop.runtime import Runtime
+from semantic.engine.loop.served_model import ServedModel
 
 
 @pytest.fixture(scope="module")
@@ -34,31 +34,31 @@ def outbox(loop: asyncio.AbstractEventLoop) -> Outbox:
 
 
 @pytest.fixture(scope="module")
-def runtime(default_model_dir: Path, outbox: Outbox) -> Runtime:
+def served(default_model_dir: Path, outbox: Outbox) -> ServedModel:
     if mx.default_device() != mx.cpu:
         pytest.skip("the first token is taken early only where MLX runs the step before `next()` returns")
     # Chunks of 128 tokens (short turns up to 256): a prompt needs only a few hundred tokens to be
     # cut into chunks, set aside or overtaken, which keeps these tests' prefills and their mlx-lm
     # references short. The code paths are the ones the CPU's default 512 takes.
     config = EngineConfig(model=str(default_model_dir), cache_budget_mb=256, prefill_step_size=128)
-    return Runtime.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox)
+    return ServedModel.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox)
 
 
-def chat(runtime: Runtime, text: str) -> list[int]:
+def chat(served: ServedModel, text: str) -> list[int]:
     messages = [{"role": "user", "content": text}]
-    return list(runtime.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return list(served.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
-def deliver(runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop) -> None:
+def deliver(served: ServedModel, outbox: Outbox, loop: asyncio.AbstractEventLoop) -> None:
     """One engine tick's work after `step`, then the loop runs what it posted."""
-    runtime.batch.flush()
-    runtime.batch.keep_caches()
+    served.batch.flush()
+    served.batch.keep_caches()
     outbox.flush()
     loop.run_until_complete(asyncio.sleep(0))
 
 
 def submit(
-    runtime: Runtime,
+    served: ServedModel,
     loop: asyncio.AbstractEventLoop,
     prompt: list[int],
     max_tokens: int,
@@ -66,8 +66,8 @@ def submit(
 ) -> Submit:
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0)
     submit = Submit(GenerationRequest(uuid.uuid4().hex, prompt, sampling, agent_id), EventChannel(loop))
-    needed = runtime.loaded.spec.num_blocks_for(len(prompt) + max_tokens)
-    runtime.batch.insert(submit, runtime.pool.allocate(needed))
+    needed = served.loaded.spec.num_blocks_for(len(prompt) + max_tokens)
+    served.batch.insert(submit, served.pool.allocate(needed))
     return submit
 
 
@@ -84,7 +84,7 @@ def has_token(submit: Submit) -> bool:
 
 
 def steps_until_finished(
-    runtime: Runtime,
+    served: ServedModel,
     outbox: Outbox,
     loop: asyncio.AbstractEventLoop,
     prompt: list[int],
@@ -92,12 +92,12 @@ def steps_until_finished(
     agent_id: str | None = None,
 ) -> list[list[Event]]:
     """Insert one request, step until it finishes; the events each step delivered."""
-    channel = submit(runtime, loop, prompt, max_tokens, agent_id).events
+    channel = submit(served, loop, prompt, max_tokens, agent_id).events
     per_step: list[list[Event]] = []
     while not any(isinstance(e, Finished) for events in per_step for e in events):
         assert len(per_step) < max_tokens + 4, "the request did not finish"
-        runtime.batch.step()
-        deliver(runtime, outbox, loop)
+        served.batch.step()
+        deliver(served, outbox, loop)
         delivered = []
         while not channel.queue.empty():
             delivered.append(channel.queue.get_nowait())

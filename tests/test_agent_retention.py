@@ -31,7 +31,7 @@ from semantic.engine.loop.commands import Submit
 from semantic.engine.loop.config import EngineConfig, EngineStats
 from semantic.engine.loop.messages import EventChannel, Finished, GenerationRequest
 from semantic.engine.loop.outbox import Outbox
-from semantic.engine.loop.runtime import Runtime
+from semantic.engine.loop.served_model import ServedModel
 from semantic.protocols.anthropic_wire import chat_and_breakpoints, decode_request
 from tests.server_process import ServerProcess
 
@@ -168,18 +168,18 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 
 @pytest.fixture
-def small(default_model_dir: Path, loop: asyncio.AbstractEventLoop) -> tuple[Runtime, Outbox]:
+def small(default_model_dir: Path, loop: asyncio.AbstractEventLoop) -> tuple[ServedModel, Outbox]:
     outbox = Outbox(loop)
     # SmolLM2-135M in float32: 45 KiB of KV a token, so 16-token blocks in 16 MiB make a pool of 22.
     config = EngineConfig(model=str(default_model_dir), block_size=16, cache_budget_mb=16)
-    runtime = Runtime.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox)
-    return runtime, outbox
+    served = ServedModel.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox)
+    return served, outbox
 
 
-def _insert(runtime: Runtime, loop: asyncio.AbstractEventLoop, request: GenerationRequest) -> Submit:
+def _insert(served: ServedModel, loop: asyncio.AbstractEventLoop, request: GenerationRequest) -> Submit:
     submit = Submit(request, EventChannel(loop))
-    needed = runtime.loaded.spec.num_blocks_for(len(request.prompt_tokens) + request.sampling.max_tokens)
-    runtime.batch.insert(submit, runtime.pool.allocate(needed))
+    needed = served.loaded.spec.num_blocks_for(len(request.prompt_tokens) + request.sampling.max_tokens)
+    served.batch.insert(submit, served.pool.allocate(needed))
     return submit
 
 
@@ -191,48 +191,48 @@ def _request(
     return GenerationRequest(uuid.uuid4().hex, prompt, sampling, agent_id, **fields)  # type: ignore[arg-type]
 
 
-def _step(runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop) -> None:
-    runtime.batch.step()
-    runtime.batch.flush()
-    runtime.batch.keep_caches()
+def _step(served: ServedModel, outbox: Outbox, loop: asyncio.AbstractEventLoop) -> None:
+    served.batch.step()
+    served.batch.flush()
+    served.batch.keep_caches()
     outbox.flush()
     loop.run_until_complete(asyncio.sleep(0))
 
 
 def _run(
-    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop, request: GenerationRequest
+    served: ServedModel, outbox: Outbox, loop: asyncio.AbstractEventLoop, request: GenerationRequest
 ) -> None:
-    submit = _insert(runtime, loop, request)
+    submit = _insert(served, loop, request)
     for _ in range(request.sampling.max_tokens + 4):
-        _step(runtime, outbox, loop)
+        _step(served, outbox, loop)
         if submit.events.done.done():
             assert isinstance(submit.events.done.result(), Finished)
             return
     raise AssertionError("the request did not finish")
 
 
-def _tokens(runtime: Runtime, text: str) -> list[int]:
-    return list(runtime.loaded.tokenizer.encode(text))
+def _tokens(served: ServedModel, text: str) -> list[int]:
+    return list(served.loaded.tokenizer.encode(text))
 
 
 def test_a_parents_prefix_a_running_sub_agent_shares_outlives_idle_agents(
-    small: tuple[Runtime, Outbox], loop: asyncio.AbstractEventLoop
+    small: tuple[ServedModel, Outbox], loop: asyncio.AbstractEventLoop
 ) -> None:
-    runtime, outbox = small
-    store, pool = runtime.store, runtime.pool
-    parent_prompt = _tokens(runtime, "You are the lead engineer. " * 8)[: 3 * 16 + 5]
-    _run(runtime, outbox, loop, _request(parent_prompt, 2, "session"))
+    served, outbox = small
+    store, pool = served.store, served.pool
+    parent_prompt = _tokens(served, "You are the lead engineer. " * 8)[: 3 * 16 + 5]
+    _run(served, outbox, loop, _request(parent_prompt, 2, "session"))
     for name in ("idle-a", "idle-b"):  # used after the parent: LRU would evict the parent first
         _run(
-            runtime, outbox, loop, _request(_tokens(runtime, f"{name} asks about the weather. " * 3), 2, name)
+            served, outbox, loop, _request(_tokens(served, f"{name} asks about the weather. " * 3), 2, name)
         )
     assert [a.agent_id for a in store.evictable()] == ["session", "idle-a", "idle-b"]
 
     # A sub-agent whose prompt starts with the parent's three full blocks, still decoding.
-    sub_prompt = [*parent_prompt[: 3 * 16], *_tokens(runtime, " List three colours.")]
-    never_ends = tuple(runtime.loaded.eos_token_ids)  # it runs its max_tokens
-    sub = _insert(runtime, loop, _request(sub_prompt, 4, "session.a2c5592091ed9f872", never_ends))
-    _step(runtime, outbox, loop)
+    sub_prompt = [*parent_prompt[: 3 * 16], *_tokens(served, " List three colours.")]
+    never_ends = tuple(served.loaded.eos_token_ids)  # it runs its max_tokens
+    sub = _insert(served, loop, _request(sub_prompt, 4, "session.a2c5592091ed9f872", never_ends))
+    _step(served, outbox, loop)
     assert not sub.events.done.done()
     assert [a.agent_id for a in store.evictable()] == ["idle-a", "idle-b", "session"]
 
@@ -247,20 +247,20 @@ def test_a_parents_prefix_a_running_sub_agent_shares_outlives_idle_agents(
     for _ in range(8):
         if sub.events.done.done():
             break
-        _step(runtime, outbox, loop)
+        _step(served, outbox, loop)
     assert sub.events.done.done()
     assert store.running_shares.tips == set()  # its references went with it
 
 
 def test_a_cache_control_pin_holds_for_its_ttl_through_the_batch_then_lapses(
-    small: tuple[Runtime, Outbox], loop: asyncio.AbstractEventLoop
+    small: tuple[ServedModel, Outbox], loop: asyncio.AbstractEventLoop
 ) -> None:
-    runtime, outbox = small
+    served, outbox = small
     clock = Clock()
-    runtime.store.policy.clock = clock
-    store, pool = runtime.store, runtime.pool
-    prompt = _tokens(runtime, "You are a careful reviewer of pull requests. " * 10)[: 4 * 16 + 3]
-    _run(runtime, outbox, loop, _request(prompt, 2, "pinned", cache_pins=(CachePin(2 * 16, 300.0),)))
+    served.store.policy.clock = clock
+    store, pool = served.store, served.pool
+    prompt = _tokens(served, "You are a careful reviewer of pull requests. " * 10)[: 4 * 16 + 3]
+    _run(served, outbox, loop, _request(prompt, 2, "pinned", cache_pins=(CachePin(2 * 16, 300.0),)))
     assert store.pins.is_pinned(prompt[: 2 * 16], None)
     store.evict("pinned")
     refs = [pool.blocks[b].ref_count for b in store.held_block_ids(prompt, None)]

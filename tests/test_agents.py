@@ -19,7 +19,7 @@ from semantic.actors.turns import TurnRequest, TurnStarted
 from semantic.engine.decoding.sampling import SamplingParams
 from semantic.engine.loop.commands import InspectPool, ListCaches, ReferenceGenerate, RestoreCache
 from semantic.engine.loop.messages import Finished, PromptStarted, TokenDelta
-from semantic.engine.loop.runtime import Runtime
+from semantic.engine.loop.served_model import ServedModel
 from semantic.storage.agent_id import AgentId, InvalidAgentIdError, agent_id_from
 from semantic.storage.cache_file import CacheIdentity, read_cache_file, write_cache_file
 
@@ -209,10 +209,10 @@ async def test_a_cache_file_the_engine_cannot_take_is_quarantined_and_the_turn_c
     tokens, _, _ = await run_turn(await generate(system, agent_id, prompt, SamplingParams(max_tokens=8)))
     assert await system.evict(agent_id)
 
-    def failing_restore(runtime: Runtime, cache: Any, salt: str | None = None) -> None:
+    def failing_restore(served: ServedModel, cache: Any, salt: str | None = None) -> None:
         raise ValueError("a layer of another shape")
 
-    monkeypatch.setattr(Runtime, "restore", failing_restore)
+    monkeypatch.setattr(ServedModel, "restore", failing_restore)
     follow_up = prompt + tokens + user_turn(system, TURNS[1], first=False)
     recomputed, started, _ = await run_turn(
         await generate(system, agent_id, follow_up, SamplingParams(max_tokens=8))

@@ -88,7 +88,7 @@ GPU_CHOICES_PROBE = textwrap.dedent(
     from semantic.engine.loop.backend_profile import choose_profile
     from semantic.engine.loop.config import EngineConfig, EngineStats
     from semantic.engine.loop.outbox import Outbox
-    from semantic.engine.loop.runtime import Runtime
+    from semantic.engine.loop.served_model import ServedModel
     import asyncio
 
     gpu = choose_profile(device="metal")
@@ -96,12 +96,12 @@ GPU_CHOICES_PROBE = textwrap.dedent(
         model=sys.argv[1], cache_budget_mb=64, cpu_kernels=gpu.cpu_kernels,
         last_token_fold=gpu.last_token_fold, mixed_step=gpu.mixed_step, joining_cache=gpu.joining_cache,
     )
-    runtime = Runtime.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(),
+    served = ServedModel.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(),
                            Outbox(asyncio.new_event_loop()))
-    model_module = sys.modules[type(runtime.loaded.model).__module__]
+    model_module = sys.modules[type(served.loaded.model).__module__]
     print(json.dumps({
-        "generator": type(runtime.batch._generator).__qualname__,
-        "plain_generator": type(runtime.batch._generator) is BatchGenerator,
+        "generator": type(served.batch._generator).__qualname__,
+        "plain_generator": type(served.batch._generator) is BatchGenerator,
         "attention_is_mlx_lm": model_module.scaled_dot_product_attention is base.scaled_dot_product_attention,
         "masks_are_mlx_lm": getattr(model_module, "create_causal_mask", base.create_causal_mask)
             is base.create_causal_mask,

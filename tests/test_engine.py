@@ -249,12 +249,17 @@ async def test_waiting_prompts_start_with_the_fewest_tokens_to_prefill(engine: E
 
     reading_blocker = asyncio.create_task(read_blocker())
     await blocker_started.wait()
-    streams = {name: submit(engine, prompt, max_tokens=2) for name, prompt in prompts.items()}
-    streams["returning"] = engine.submit(
-        GenerationRequest("p2", follow_up, SamplingParams(max_tokens=2), agent_id="returning")
-    )
-    order, started = await started_order(streams)
-    await reading_blocker
+    config = engine.config  # no wait limit: on a loaded machine one prefill step can outlast it
+    engine.config = replace(config, shortest_first_max_wait_s=float("inf"))
+    try:
+        streams = {name: submit(engine, prompt, max_tokens=2) for name, prompt in prompts.items()}
+        streams["returning"] = engine.submit(
+            GenerationRequest("p2", follow_up, SamplingParams(max_tokens=2), agent_id="returning")
+        )
+        order, started = await started_order(streams)
+        await reading_blocker
+    finally:
+        engine.config = config
     assert [name for name in order if name != "blocker"] == ["returning", "short cold", "long cold"]
     assert started["returning"].num_cached_tokens == len(first) + len(tokens)
 

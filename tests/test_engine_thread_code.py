@@ -61,7 +61,7 @@ CROSSINGS: dict[tuple[str, str], str] = {
     ("cache_store/cache_matching.py", "common_prefix_length"): "two token lists' common prefix, for prompts",
     # Asked without a message: a dictionary lookup the actors make before a turn.
     ("loop/engine_loop.py", "holds_cache"): "whether a cache is in memory, read without a message",
-    ("loop/runtime.py", "holds"): "whether a cache is in memory, read without a message",
+    ("loop/served_model.py", "holds"): "whether a cache is in memory, read without a message",
     # Grammars compile in the tokenizer workers (on a follower, on its engine thread).
     ("decoding/grammar_matcher.py", "GrammarCompiler"): "compiles in the tokenizer workers",
     ("decoding/grammar_matcher.py", "__init__"): "a matcher is made by the compiler",

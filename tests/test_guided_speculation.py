@@ -20,7 +20,7 @@ from semantic.engine.loop.commands import Submit
 from semantic.engine.loop.config import EngineConfig, EngineStats
 from semantic.engine.loop.messages import EventChannel, Finished, GenerationRequest
 from semantic.engine.loop.outbox import Outbox
-from semantic.engine.loop.runtime import Runtime
+from semantic.engine.loop.served_model import ServedModel
 from tests.test_speculation import CODE, FlatCosts
 
 PROMPT = f"Repeat this code exactly:\n{CODE}"
@@ -37,12 +37,14 @@ def _replies(model_dir: Path, speculate: str) -> tuple[list[Finished], list[str]
     try:
         outbox = Outbox(loop)
         config = EngineConfig(model=str(model_dir), cache_budget_mb=256, speculate=speculate)
-        runtime = Runtime.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox)
-        if runtime.batch.speculation is not None:  # every draft offered is verified
-            runtime.batch.speculation.costs = FlatCosts()
-            runtime.batch.speculation.margin = 0.0
-        tokenizer = runtime.loaded.tokenizer
-        compiler = GrammarCompiler(tokenizer, sorted(runtime.loaded.eos_token_ids))
+        served = ServedModel.load(
+            config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox
+        )
+        if served.batch.speculation is not None:  # every draft offered is verified
+            served.batch.speculation.costs = FlatCosts()
+            served.batch.speculation.margin = 0.0
+        tokenizer = served.loaded.tokenizer
+        compiler = GrammarCompiler(tokenizer, sorted(served.loaded.eos_token_ids))
         prompt = list(
             tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
         )
@@ -54,17 +56,17 @@ def _replies(model_dir: Path, speculate: str) -> tuple[list[Finished], list[str]
                 uuid.uuid4().hex, prompt, sampling, f"agent-{len(submits)}", grammar=matcher
             )
             submit = Submit(request, EventChannel(loop))
-            runtime.batch.insert(
-                submit, runtime.pool.allocate(runtime.loaded.spec.num_blocks_for(len(prompt) + MAX_TOKENS))
+            served.batch.insert(
+                submit, served.pool.allocate(served.loaded.spec.num_blocks_for(len(prompt) + MAX_TOKENS))
             )
             submits.append(submit)
         finished: dict[int, Finished] = {}
         for _ in range(20 * MAX_TOKENS):
             if len(finished) == len(submits):
                 break
-            runtime.batch.step()
-            runtime.batch.flush()
-            runtime.batch.keep_caches()
+            served.batch.step()
+            served.batch.flush()
+            served.batch.keep_caches()
             outbox.flush()
             loop.run_until_complete(asyncio.sleep(0))
             for index, submit in enumerate(submits):

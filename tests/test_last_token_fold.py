@@ -15,7 +15,7 @@ from mlx_lm.models import llama
 
 from semantic.engine.loop.messages import Event, Finished, PromptStarted, TokenDelta
 from semantic.engine.loop.outbox import Outbox
-from semantic.engine.loop.runtime import Runtime
+from semantic.engine.loop.served_model import ServedModel
 from semantic.engine.mlx_adapter.last_token_fold import (
     FoldingBatchGenerator,
     fold_head,
@@ -23,9 +23,9 @@ from semantic.engine.mlx_adapter.last_token_fold import (
     last_position_head,
     make_batch_generator,
 )
-from tests.batch_driver import chat, loop, outbox, runtime, steps_until_finished
+from tests.batch_driver import chat, loop, outbox, served, steps_until_finished
 
-__all__ = ["loop", "outbox", "runtime"]  # fixtures
+__all__ = ["loop", "outbox", "served"]  # fixtures
 
 pytestmark = pytest.mark.skipif(
     not forked_sources_match(), reason="the installed mlx-lm is not the one `_next` was forked from"
@@ -33,9 +33,9 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(params=["folded", "mlx-lm's own"])
-def generator_kind(runtime: Runtime, request: pytest.FixtureRequest) -> Iterator[str]:
+def generator_kind(served: ServedModel, request: pytest.FixtureRequest) -> Iterator[str]:
     """The batch with a folding generator, or with mlx-lm's own; the folding one is put back after."""
-    batch = runtime.batch
+    batch = served.batch
     head = batch._generators.head
     assert head is not None  # SmolLM2 is `model.model` then the tied embedding
     if request.param != "folded":
@@ -56,32 +56,32 @@ def tokens_of(per_step: list[list[Event]]) -> list[int]:
 
 
 def run_turn(
-    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop, prompt: list[int], agent: str
+    served: ServedModel, outbox: Outbox, loop: asyncio.AbstractEventLoop, prompt: list[int], agent: str
 ):
-    per_step = steps_until_finished(runtime, outbox, loop, prompt, 6, agent)
+    per_step = steps_until_finished(served, outbox, loop, prompt, 6, agent)
     started = next(e for events in per_step for e in events if isinstance(e, PromptStarted))
     finished = next(e for events in per_step for e in events if isinstance(e, Finished))
     return per_step, started, finished
 
 
 def test_cold_and_returning_turns_give_mlx_lm_s_tokens_folded_one_step_sooner(
-    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop, generator_kind: str
+    served: ServedModel, outbox: Outbox, loop: asyncio.AbstractEventLoop, generator_kind: str
 ) -> None:
     agent = f"agent-{uuid.uuid4().hex}"
-    first = chat(runtime, f"{uuid.uuid4().hex} Name three rivers in Europe.")
-    per_step, started, finished = run_turn(runtime, outbox, loop, first, agent)
+    first = chat(served, f"{uuid.uuid4().hex} Name three rivers in Europe.")
+    per_step, started, finished = run_turn(served, outbox, loop, first, agent)
     assert started.num_cached_tokens == 0
     assert first_token_step(per_step) == (0 if generator_kind == "folded" else 1)
-    eos = runtime.loaded.eos_token_ids
-    assert [t for t in tokens_of(per_step) if t not in eos] == runtime.reference_generate(first, 6)
+    eos = served.loaded.eos_token_ids
+    assert [t for t in tokens_of(per_step) if t not in eos] == served.reference_generate(first, 6)
 
-    tokenizer = runtime.loaded.tokenizer
+    tokenizer = served.loaded.tokenizer
     follow_up = tokenizer.encode("<|im_start|>user\nAnd three in Asia?<|im_end|>\n<|im_start|>assistant\n")
     returning = [*first, *finished.generated_token_ids, *follow_up]
-    per_step, started, _ = run_turn(runtime, outbox, loop, returning, agent)
+    per_step, started, _ = run_turn(served, outbox, loop, returning, agent)
     assert started.num_cached_tokens > len(first) // 2  # its history came from the cache
     assert first_token_step(per_step) == (0 if generator_kind == "folded" else 1)
-    assert [t for t in tokens_of(per_step) if t not in eos] == runtime.reference_generate(returning, 6)
+    assert [t for t in tokens_of(per_step) if t not in eos] == served.reference_generate(returning, 6)
 
 
 def tiny_args(tied: bool) -> llama.ModelArgs:

@@ -23,7 +23,7 @@ from mlx_lm.models.cache import BatchKVCache
 from semantic.engine.cpu import cpu_attention
 from semantic.engine.loop.messages import Finished, PromptProgress, TokenDelta
 from semantic.engine.loop.outbox import Outbox
-from semantic.engine.loop.runtime import Runtime
+from semantic.engine.loop.served_model import ServedModel
 from semantic.engine.mlx_adapter import generator_seams, model_hooks
 from semantic.engine.mlx_adapter.batch_joins import JoiningBatchKVCache
 from semantic.engine.mlx_adapter.last_token_fold import forked_sources_match, last_position_head
@@ -35,9 +35,9 @@ from semantic.engine.mlx_adapter.mixed_step import (
     mixed_forward_for,
 )
 from semantic.engine.mlx_adapter.mixing_generator import MixingBatchGenerator
-from tests.batch_driver import chat, deliver, drain, loop, outbox, runtime, submit
+from tests.batch_driver import chat, deliver, drain, loop, outbox, served, submit
 
-__all__ = ["loop", "outbox", "runtime"]  # fixtures
+__all__ = ["loop", "outbox", "served"]  # fixtures
 
 pytestmark = pytest.mark.skipif(
     not forked_sources_match(), reason="the installed mlx-lm is not the one `_next` was forked from"
@@ -45,9 +45,9 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(params=["one pass", "two passes"])
-def passes(runtime: Runtime, request: pytest.FixtureRequest) -> Iterator[str]:
+def passes(served: ServedModel, request: pytest.FixtureRequest) -> Iterator[str]:
     """The batch with the mixing generator, or with the folding one alone; put back after."""
-    batch = runtime.batch
+    batch = served.batch
     mixed = batch._generators.mixed
     assert mixed is not None  # SmolLM2 packs
     if request.param == "two passes":
@@ -60,24 +60,24 @@ def passes(runtime: Runtime, request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 def test_a_prompt_prefilled_beside_a_decoding_stream_gives_mlx_lm_s_tokens(
-    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop, passes: str
+    served: ServedModel, outbox: Outbox, loop: asyncio.AbstractEventLoop, passes: str
 ) -> None:
-    batch = runtime.batch
+    batch = served.batch
     generator = batch._generator
-    streaming = chat(runtime, f"{uuid.uuid4().hex} Write a short poem about the sea.")
-    cold = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise these notes for me. " * 40)
+    streaming = chat(served, f"{uuid.uuid4().hex} Write a short poem about the sea.")
+    cold = chat(served, f"{uuid.uuid4().hex} " + "Summarise these notes for me. " * 40)
     chunk = 64
     assert len(cold) > batch.prefill_budget.short_turn_tokens  # not a short turn: cut into the test's chunks
-    stream = submit(runtime, loop, streaming, 24)
+    stream = submit(served, loop, streaming, 24)
     steps = 0
     while not any(isinstance(e, TokenDelta) for e in drain(stream)):  # the stream is decoding
         batch.step(chunk)
-        deliver(runtime, outbox, loop)
+        deliver(served, outbox, loop)
         steps += 1
         assert steps < 20
     processed_before = generator_seams.num_prompt_tokens_processed(generator)
     mixed_before = getattr(generator, "num_mixed_steps", 0)
-    prompt = submit(runtime, loop, cold, 6)
+    prompt = submit(served, loop, cold, 6)
 
     events: dict[str, list[object]] = {"stream": [], "prompt": []}
     decode_cache_types: set[type] = set()
@@ -86,18 +86,18 @@ def test_a_prompt_prefilled_beside_a_decoding_stream_gives_mlx_lm_s_tokens(
         assert steps < 100, "the requests did not finish"
         batch.step(chunk)
         decode_cache_types |= {type(c) for c in generator._generation_batch.prompt_cache}
-        deliver(runtime, outbox, loop)
+        deliver(served, outbox, loop)
         events["stream"] += drain(stream)
         events["prompt"] += drain(prompt)
 
-    eos = runtime.loaded.eos_token_ids
+    eos = served.loaded.eos_token_ids
 
     def tokens(got: list[object]) -> list[int]:
         (finished,) = [e for e in got if isinstance(e, Finished)]
         return [t for t in finished.generated_token_ids if t not in eos]
 
-    assert tokens(events["stream"]) == runtime.reference_generate(streaming, 24)
-    assert tokens(events["prompt"]) == runtime.reference_generate(cold, 6)
+    assert tokens(events["stream"]) == served.reference_generate(streaming, 24)
+    assert tokens(events["prompt"]) == served.reference_generate(cold, 6)
     assert decode_cache_types == {JoiningBatchKVCache}  # the prompt joined the stream's batch at one copy
     # The cold prompt went in chunks while the stream decoded, each token once (the fold counts the last).
     assert generator_seams.num_prompt_tokens_processed(generator) - processed_before == len(cold)

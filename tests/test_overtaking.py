@@ -24,13 +24,13 @@ from semantic.engine.loop.messages import (
     TokenDelta,
 )
 from semantic.engine.loop.outbox import Outbox
-from semantic.engine.loop.runtime import Runtime
+from semantic.engine.loop.served_model import ServedModel
 from semantic.engine.mlx_adapter import generator_seams
 from semantic.engine.mlx_adapter.last_token_fold import FoldingBatchGenerator
 from semantic.engine.scheduling.scheduler import Scheduler
-from tests.batch_driver import chat, deliver, drain, loop, outbox, runtime
+from tests.batch_driver import chat, deliver, drain, loop, outbox, served
 
-__all__ = ["loop", "outbox", "runtime"]  # fixtures
+__all__ = ["loop", "outbox", "served"]  # fixtures
 
 
 def queued(loop: asyncio.AbstractEventLoop, prompt: list[int], max_tokens: int, queued_at: float) -> Submit:
@@ -43,9 +43,9 @@ class Driver:
     """Admit and step as the engine's tick does, recording what each request received per step."""
 
     def __init__(
-        self, runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop, config: EngineConfig
+        self, served: ServedModel, outbox: Outbox, loop: asyncio.AbstractEventLoop, config: EngineConfig
     ):
-        self.runtime, self.outbox, self.loop, self.config = runtime, outbox, loop, config
+        self.served, self.outbox, self.loop, self.config = served, outbox, loop, config
         self.scheduler = Scheduler()
         self.events: dict[str, list[tuple[int, object]]] = {}
         self.step = 0
@@ -55,9 +55,9 @@ class Driver:
         self.events[submit.request.request_id] = []
 
     def tick(self, now: float) -> None:
-        self.scheduler.plan_and_apply(self.runtime, self.config, self.outbox, now)
-        self.runtime.batch.step()
-        deliver(self.runtime, self.outbox, self.loop)
+        self.scheduler.plan_and_apply(self.served, self.config, self.outbox, now)
+        self.served.batch.step()
+        deliver(self.served, self.outbox, self.loop)
         self.step += 1
 
     def collect(self, *submits: Submit) -> None:
@@ -79,29 +79,29 @@ class Driver:
 
     def tokens(self, submit: Submit) -> list[int]:
         (finished,) = [e for _, e in self.events[submit.request.request_id] if isinstance(e, Finished)]
-        return [t for t in finished.generated_token_ids if t not in self.runtime.loaded.eos_token_ids]
+        return [t for t in finished.generated_token_ids if t not in self.served.loaded.eos_token_ids]
 
 
-def runtime_config(runtime: Runtime) -> EngineConfig:
-    """The scheduler's settings as the runtime's batch was built with them (its chunk, its short turns)."""
-    budget = runtime.batch.prefill_budget
+def served_config(served: ServedModel) -> EngineConfig:
+    """The scheduler's settings as the batch was built with them (its chunk, its short turns)."""
+    budget = served.batch.prefill_budget
     return replace(
         EngineConfig(), prefill_step_size=budget.max_tokens, short_turn_tokens=budget.short_turn_tokens
     )
 
 
 def test_a_short_turn_overtakes_a_long_prefill_which_then_carries_on_from_its_cache(
-    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop
+    served: ServedModel, outbox: Outbox, loop: asyncio.AbstractEventLoop
 ) -> None:
-    config = runtime_config(runtime)
+    config = served_config(served)
     chunk = config.num_tokens_per_prefill_step
-    long = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 70)
-    short = chat(runtime, f"{uuid.uuid4().hex} Name three colours.")
+    long = chat(served, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 70)
+    short = chat(served, f"{uuid.uuid4().hex} Name three colours.")
     assert len(long) > chunk + config.num_short_turn_tokens and len(short) <= chunk
-    driver = Driver(runtime, outbox, loop, config)
+    driver = Driver(served, outbox, loop, config)
     now = time.monotonic()
     long_submit, short_submit = queued(loop, long, 4, now), queued(loop, short, 4, now)
-    processed_before = generator_seams.num_prompt_tokens_processed(runtime.batch._generator)
+    processed_before = generator_seams.num_prompt_tokens_processed(served.batch._generator)
 
     driver.add(long_submit)
     driver.tick(now)  # the long prompt goes in and prefills its first chunk
@@ -117,14 +117,14 @@ def test_a_short_turn_overtakes_a_long_prefill_which_then_carries_on_from_its_ca
     assert short_first is not None and long_first is not None
     assert short_first < long_first  # it did not wait for the rest of the long prompt
     assert short_first <= 3  # set aside at once: one step prefills the turn whole, the next samples
-    assert driver.tokens(long_submit) == runtime.reference_generate(long, 4)
-    assert driver.tokens(short_submit) == runtime.reference_generate(short, 4)
+    assert driver.tokens(long_submit) == served.reference_generate(long, 4)
+    assert driver.tokens(short_submit) == served.reference_generate(short, 4)
     # Each prompt token ran once: the long prompt went on from its cache, not from the start. mlx-lm
     # runs a prompt's last token as its first decode step, not counted; the fold prefills it, counted.
-    held_back = 0 if isinstance(runtime.batch._generator, FoldingBatchGenerator) else 1
+    held_back = 0 if isinstance(served.batch._generator, FoldingBatchGenerator) else 1
     uncached_long = len(long) - driver.num_cached(long_submit)
     uncached_short = len(short) - driver.num_cached(short_submit)
-    processed = generator_seams.num_prompt_tokens_processed(runtime.batch._generator) - processed_before
+    processed = generator_seams.num_prompt_tokens_processed(served.batch._generator) - processed_before
     assert processed == uncached_long - held_back + uncached_short - held_back
     progress = [e for _, e in driver.events[long_submit.request.request_id] if isinstance(e, PromptProgress)]
     done = [p.num_processed for p in progress]
@@ -132,12 +132,12 @@ def test_a_short_turn_overtakes_a_long_prefill_which_then_carries_on_from_its_ca
 
 
 def test_a_long_prefill_that_has_waited_too_long_is_not_overtaken(
-    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop
+    served: ServedModel, outbox: Outbox, loop: asyncio.AbstractEventLoop
 ) -> None:
-    config = runtime_config(runtime)
-    long = chat(runtime, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 70)
-    short = chat(runtime, f"{uuid.uuid4().hex} Name three colours.")
-    driver = Driver(runtime, outbox, loop, config)
+    config = served_config(served)
+    long = chat(served, f"{uuid.uuid4().hex} " + "Summarise the notes below. " * 70)
+    short = chat(served, f"{uuid.uuid4().hex} Name three colours.")
+    driver = Driver(served, outbox, loop, config)
     now = time.monotonic()
     long_submit = queued(loop, long, 2, now - config.shortest_first_max_wait_s)  # overdue
     short_submit = queued(loop, short, 2, now)

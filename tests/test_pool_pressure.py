@@ -20,13 +20,13 @@ from semantic.engine.loop.commands import InspectPool, Submit
 from semantic.engine.loop.errors import EngineError
 from semantic.engine.loop.messages import EventChannel, GenerationRequest
 from semantic.engine.loop.outbox import Outbox
-from semantic.engine.loop.runtime import Runtime
+from semantic.engine.loop.served_model import ServedModel
 from semantic.engine.scheduling.scheduler import Scheduler
 from semantic.storage.agent_id import AgentId
-from tests.batch_driver import chat, drain, loop, outbox, runtime, submit
+from tests.batch_driver import chat, drain, loop, outbox, served, submit
 from tests.test_agents import cold_output, generate, run_turn, user_turn, without_eos
 
-__all__ = ["loop", "outbox", "runtime"]  # fixtures
+__all__ = ["loop", "outbox", "served"]  # fixtures
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -89,23 +89,23 @@ async def test_a_cache_with_no_room_to_restore_is_kept_and_the_turn_computed(sys
 
 
 def test_a_request_no_running_sequence_can_make_room_for_fails_instead_of_waiting(
-    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop, default_model_dir: Path
+    served: ServedModel, outbox: Outbox, loop: asyncio.AbstractEventLoop, default_model_dir: Path
 ) -> None:
-    pool = runtime.pool
+    pool = served.pool
     config = EngineConfig(model=str(default_model_dir))
     lost = pool.allocate(pool.num_free_blocks - 1)  # held by nobody, as a leaked block would be
-    prompt = chat(runtime, "Hello")
-    sampling = SamplingParams(max_tokens=2 * runtime.loaded.spec.block_size, temperature=0)
+    prompt = chat(served, "Hello")
+    sampling = SamplingParams(max_tokens=2 * served.loaded.spec.block_size, temperature=0)
     waiting = Submit(GenerationRequest("too-big", prompt, sampling, None), EventChannel(loop))
     scheduler = Scheduler()
     try:
-        running = submit(runtime, loop, prompt, 1)  # it holds the last block until it ends
+        running = submit(served, loop, prompt, 1)  # it holds the last block until it ends
         scheduler.add(waiting)
-        scheduler.plan_and_apply(runtime, config, outbox)
+        scheduler.plan_and_apply(served, config, outbox)
         assert len(scheduler) == 1  # the running sequence will free its block: wait
 
-        runtime.batch.cancel(running.request.request_id)
-        scheduler.plan_and_apply(runtime, config, outbox)
+        served.batch.cancel(running.request.request_id)
+        scheduler.plan_and_apply(served, config, outbox)
         outbox.flush()
         loop.run_until_complete(asyncio.sleep(0))
 

@@ -252,8 +252,8 @@ async def test_a_running_stream_keeps_decoding_while_a_long_prompt_prefills(engi
     assert len(long_prompt) > SHORT_TURN  # a cold history, not a short turn
     # The engine is idle: its budget is swapped between ticks for one told fixed step times, so the
     # chunks follow the tokens, not how busy the machine is.
-    assert engine._core is not None and engine._core._runtime is not None
-    with modelled_budget_in(engine._core._runtime.batch):
+    assert engine._core is not None and engine._core._served is not None
+    with modelled_budget_in(engine._core._served.batch):
         await _keeps_decoding(engine, counting, long_prompt)
 
 

@@ -17,7 +17,7 @@ from semantic.engine.loop.commands import Submit
 from semantic.engine.loop.config import EngineConfig, EngineStats
 from semantic.engine.loop.messages import EventChannel, Finished, GenerationRequest
 from semantic.engine.loop.outbox import Outbox
-from semantic.engine.loop.runtime import Runtime
+from semantic.engine.loop.served_model import ServedModel
 from semantic.engine.scheduling.step_costs import StepCosts
 
 CODE = "\n".join(f"def function_{i}(x, y):\n    total = x + y + {i}\n    return total\n" for i in range(6))
@@ -56,29 +56,31 @@ def _turns(model_dir: Path, speculate: str, max_tokens: int) -> tuple[list[Finis
     try:
         outbox = Outbox(loop)
         config = EngineConfig(model=str(model_dir), cache_budget_mb=256, speculate=speculate)  # type: ignore[arg-type]
-        runtime = Runtime.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox)
+        served = ServedModel.load(
+            config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox
+        )
         costs = FlatCosts()
-        if runtime.batch.speculation is not None:  # every draft offered is verified
-            runtime.batch.speculation.costs = costs
-            runtime.batch.speculation.margin = 0.0
+        if served.batch.speculation is not None:  # every draft offered is verified
+            served.batch.speculation.costs = costs
+            served.batch.speculation.margin = 0.0
         submits = []
         for text in REQUESTS:
             messages = [{"role": "user", "content": text}]
-            prompt = list(runtime.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            prompt = list(served.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
             sampling = SamplingParams(max_tokens=max_tokens, temperature=0)
             request = GenerationRequest(uuid.uuid4().hex, prompt, sampling, f"agent-{len(submits)}")
             submit = Submit(request, EventChannel(loop))
-            runtime.batch.insert(
-                submit, runtime.pool.allocate(runtime.loaded.spec.num_blocks_for(len(prompt) + max_tokens))
+            served.batch.insert(
+                submit, served.pool.allocate(served.loaded.spec.num_blocks_for(len(prompt) + max_tokens))
             )
             submits.append(submit)
         finished: dict[int, Finished] = {}
         for _ in range(20 * max_tokens):
             if len(finished) == len(submits):
                 break
-            runtime.batch.step()
-            runtime.batch.flush()
-            runtime.batch.keep_caches()
+            served.batch.step()
+            served.batch.flush()
+            served.batch.keep_caches()
             outbox.flush()
             loop.run_until_complete(asyncio.sleep(0))
             for index, submit in enumerate(submits):
@@ -88,9 +90,9 @@ def _turns(model_dir: Path, speculate: str, max_tokens: int) -> tuple[list[Finis
                     if isinstance(event, Finished):
                         finished[index] = event
         assert len(finished) == len(submits), "the requests did not finish"
-        if runtime.batch.speculation is not None:
+        if served.batch.speculation is not None:
             assert costs.num_observed > 0, "the decode batch timed no step"
-        kept = [runtime.store.agents[f"agent-{index}"].token_ids for index in range(len(submits))]
+        kept = [served.store.agents[f"agent-{index}"].token_ids for index in range(len(submits))]
         return [finished[index] for index in range(len(submits))], kept
     finally:
         loop.close()

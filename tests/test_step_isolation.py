@@ -18,18 +18,18 @@ from semantic.engine.loop.commands import RestoreCache
 from semantic.engine.loop.errors import UnsteppableCacheError
 from semantic.engine.loop.messages import Finished, TokenDelta
 from semantic.engine.loop.outbox import Outbox
-from semantic.engine.loop.runtime import Runtime
+from semantic.engine.loop.served_model import ServedModel
 from semantic.storage.cache_file import read_cache_file
-from tests.batch_driver import chat, deliver, drain, loop, outbox, runtime, submit
+from tests.batch_driver import chat, deliver, drain, loop, outbox, served, submit
 
-__all__ = ["loop", "outbox", "runtime"]  # the module's fixtures
+__all__ = ["loop", "outbox", "served"]  # the module's fixtures
 
 MAX_TOKENS = 24
 
 
-def malformed_cache(runtime: Runtime, agent_id: str, prompt: list[int]) -> None:
+def malformed_cache(served: ServedModel, agent_id: str, prompt: list[int]) -> None:
     """The agent's cache in the pool with half the model's head dim in every layer."""
-    spec = runtime.loaded.spec
+    spec = served.loaded.spec
     num_tokens = len(prompt) - 1
     layers: list[tuple[np.ndarray | None, np.ndarray | None]] = []
     for heads, key_dim, value_dim in spec.kv_widths:
@@ -37,27 +37,27 @@ def malformed_cache(runtime: Runtime, agent_id: str, prompt: list[int]) -> None:
         values = np.zeros((1, heads, num_tokens, value_dim // 2), dtype=np.float32)
         layers.append((keys, values))
     snapshot = HostSnapshot(agent_id, prompt[:num_tokens], layers, [0] * len(layers), [], mx.float32)
-    runtime.store.restore(snapshot)
+    served.store.restore(snapshot)
 
 
 def test_a_step_that_fails_for_one_sequence_fails_that_sequence_only(
-    runtime: Runtime, outbox: Outbox, loop: asyncio.AbstractEventLoop
+    served: ServedModel, outbox: Outbox, loop: asyncio.AbstractEventLoop
 ) -> None:
-    prompt = chat(runtime, "Tell me a long story about a lighthouse keeper.")
-    reference = runtime.reference_generate(prompt, MAX_TOKENS)
-    bystander = submit(runtime, loop, prompt, MAX_TOKENS, agent_id="bystander")
+    prompt = chat(served, "Tell me a long story about a lighthouse keeper.")
+    reference = served.reference_generate(prompt, MAX_TOKENS)
+    bystander = submit(served, loop, prompt, MAX_TOKENS, agent_id="bystander")
     events = []
     for _ in range(4):  # it decodes
-        runtime.batch.step()
-        deliver(runtime, outbox, loop)
+        served.batch.step()
+        deliver(served, outbox, loop)
         events += drain(bystander)
-    bad_prompt = chat(runtime, "Hello there, who are you?")
-    malformed_cache(runtime, "malformed", bad_prompt)
-    bad = submit(runtime, loop, bad_prompt, 4, agent_id="malformed")
+    bad_prompt = chat(served, "Hello there, who are you?")
+    malformed_cache(served, "malformed", bad_prompt)
+    bad = submit(served, loop, bad_prompt, 4, agent_id="malformed")
     bad_events = []
-    while len(runtime.batch):
-        runtime.batch.step()
-        deliver(runtime, outbox, loop)
+    while len(served.batch):
+        served.batch.step()
+        deliver(served, outbox, loop)
         events += drain(bystander)
         bad_events += drain(bad)
 
@@ -65,7 +65,7 @@ def test_a_step_that_fails_for_one_sequence_fails_that_sequence_only(
     assert isinstance(events[-1], Finished), events[-1]
     assert tokens == reference
     assert isinstance(bad_events[-1], UnsteppableCacheError)  # its agent quarantines its file
-    assert "malformed" not in runtime.store.agents  # a cache that cannot be stepped is not kept
+    assert "malformed" not in served.store.agents  # a cache that cannot be stepped is not kept
 
 
 async def test_an_agent_whose_cache_cannot_be_stepped_has_its_file_quarantined(

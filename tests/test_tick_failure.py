@@ -49,8 +49,8 @@ async def test_a_failed_tick_fails_its_requests_and_the_engine_serves_on(
         )
     )
     core = engine._core
-    assert core is not None and core._runtime is not None
-    batch = core._runtime.batch
+    assert core is not None and core._served is not None
+    batch = core._served.batch
     keep_caches = batch.keep_caches
     failures = []
 

@@ -48,7 +48,7 @@ from semantic.engine.loop.config import EngineConfig, EngineStats
 from semantic.engine.loop.engine_loop import EngineLoop
 from semantic.engine.loop.messages import Event, EventChannel
 from semantic.engine.loop.outbox import Outbox
-from semantic.engine.loop.runtime import Runtime
+from semantic.engine.loop.served_model import ServedModel
 from semantic.engine.mlx_adapter.model_hooks import cpu_kernels_on_this_thread
 
 
@@ -150,13 +150,13 @@ class FollowerLoop(EngineLoop):
 
     def _submit(self, op: SubmitOp) -> None:
         request = request_of(op)
-        if op.grammar is not None and self._runtime is not None:
-            compiler = self._grammar_compiler(self._runtime)
+        if op.grammar is not None and self._served is not None:
+            compiler = self._grammar_compiler(self._served)
             request.grammar = compiler.matcher(op.grammar, op.grammar_trigger, op.cache_salt)
         self._scheduler.add(Submit(request, EventChannel(self._loop), queued_at=op.queued_at))
 
-    def _grammar_compiler(self, runtime: Runtime) -> GrammarCompiler:
-        loaded = runtime.loaded
+    def _grammar_compiler(self, served: ServedModel) -> GrammarCompiler:
+        loaded = served.loaded
         if self._grammars is None or self._grammars[0] != loaded.fingerprint:
             self._grammars = (
                 loaded.fingerprint,
@@ -206,6 +206,6 @@ class FollowerLoop(EngineLoop):
     def _keeps_evicted(self) -> bool:
         return True
 
-    def _keep_evicted(self, caches: list[SerializedCache], runtime: Runtime) -> None:
+    def _keep_evicted(self, caches: list[SerializedCache], served: ServedModel) -> None:
         """A follower writes its own shards of what it evicted (rank 0's actor writes rank 0's)."""
-        self._follower.files.save(caches, runtime.loaded)
+        self._follower.files.save(caches, served.loaded)

@@ -96,15 +96,18 @@ Event = PromptStarted | PromptProgress | TokenDelta | Finished | BaseException
 
 
 class EventChannel:
-    """Where the engine posts one request's events; `done` resolves with the last one."""
+    """Where the engine posts one request's events; `done` resolves with the last one. With
+    `holds_final` a Finished resolves `done` only: the reader's comes from whoever holds it."""
 
-    __slots__ = ("__weakref__", "done", "queue")
+    __slots__ = ("__weakref__", "done", "holds_final", "queue")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.done: asyncio.Future[Finished | BaseException] = loop.create_future()
+        self.holds_final = False
 
     def put(self, event: Event) -> None:
-        self.queue.put_nowait(event)
+        if not (self.holds_final and isinstance(event, Finished)):
+            self.queue.put_nowait(event)
         if isinstance(event, Finished | BaseException) and not self.done.done():
             self.done.set_result(event)

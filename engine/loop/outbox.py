@@ -12,6 +12,10 @@ class Outbox:
         self._loop = loop
         self._pending: list[tuple[EventChannel, list[Event]]] = []
 
+    def __bool__(self) -> bool:
+        """Whether events wait for the next flush."""
+        return bool(self._pending)
+
     def post(self, events: EventChannel, event: Event) -> None:
         self._pending.append((events, [event]))
 

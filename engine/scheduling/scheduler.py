@@ -19,7 +19,7 @@ from semantic.engine.loop.commands import Submit
 from semantic.engine.loop.config import EngineConfig
 from semantic.engine.loop.errors import EngineError, ModelChangedError, PoolExhaustedError
 from semantic.engine.loop.outbox import Outbox
-from semantic.engine.loop.runtime import Runtime
+from semantic.engine.loop.served_model import ServedModel
 from semantic.engine.scheduling.tick_schedule import (
     Action,
     Admit,
@@ -62,17 +62,22 @@ class Scheduler:
         return waiting
 
     def plan_and_apply(
-        self, runtime: Runtime, config: EngineConfig, outbox: Outbox, now: float | None = None, chunk: int = 0
+        self,
+        served: ServedModel,
+        config: EngineConfig,
+        outbox: Outbox,
+        now: float | None = None,
+        chunk: int = 0,
     ) -> TickSchedule:
         """Plan the tick and carry the plan out; `now` (monotonic seconds) decides which requests
         waited too long and `chunk` is the step's prefill chunk: in a group, rank 0's."""
-        plan = self.plan(runtime, config, time.monotonic() if now is None else now, chunk)
-        self.apply(plan, runtime, outbox)
+        plan = self.plan(served, config, time.monotonic() if now is None else now, chunk)
+        self.apply(plan, served, outbox)
         return plan
 
-    def plan(self, runtime: Runtime, config: EngineConfig, now: float, chunk: int) -> TickSchedule:
+    def plan(self, served: ServedModel, config: EngineConfig, now: float, chunk: int) -> TickSchedule:
         """The tick's plan from the queue, the batch and the pool as they are now."""
-        batch = runtime.batch
+        batch = served.batch
         slots = min(config.max_batch_size - len(batch), config.num_prefilled_together)
         if not self.waiting or slots <= 0:
             return TickSchedule([], chunk)
@@ -86,19 +91,19 @@ class Scheduler:
         if summary.is_prefilling and summary.lone_prefill is None:
             return TickSchedule([], chunk)  # nothing to overtake: no need to read the pool
         return schedule_tick(
-            [self._entry(position, submit, runtime) for position, submit in enumerate(self.waiting)],
+            [self._entry(position, submit, served) for position, submit in enumerate(self.waiting)],
             summary,
-            pool_summary(runtime.store),
+            pool_summary(served.store),
             now=now,
             chunk=chunk,
             short_turn_tokens=config.num_short_turn_tokens,
             max_wait_s=config.shortest_first_max_wait_s,
-            policy=runtime.store.policy,
+            policy=served.store.policy,
         )
 
-    def apply(self, plan: TickSchedule, runtime: Runtime, outbox: Outbox) -> None:
+    def apply(self, plan: TickSchedule, served: ServedModel, outbox: Outbox) -> None:
         """Carry `plan` out in order: a plan is applied in the tick it was made for."""
-        batch, store = runtime.batch, runtime.store
+        batch, store = served.batch, served.store
         waiting = list(self.waiting)
         aside: SetAside | None = None
         num_evicted = 0
@@ -110,7 +115,7 @@ class Scheduler:
                     case Refuse(position=position):
                         submit = waiting[position]
                         self.waiting.remove(submit)
-                        outbox.post(submit.events, _refusal(action, submit, runtime))
+                        outbox.post(submit.events, _refusal(action, submit, served))
                     case Overtake(uid=uid):
                         aside = batch.set_aside(uid)
                         if aside is None:
@@ -119,7 +124,7 @@ class Scheduler:
                         submit = waiting[position]
                         self.waiting.remove(submit)
                         try:
-                            batch.insert(submit, runtime.pool.allocate(num_reserved))
+                            batch.insert(submit, served.pool.allocate(num_reserved))
                         except Exception as error:
                             logger.exception("request {} failed at admission", submit.request.request_id)
                             outbox.post(submit.events, error)
@@ -129,10 +134,10 @@ class Scheduler:
             if num_evicted:
                 logger.info("evicted {} agent caches to make room", num_evicted)
 
-    def make_room_to_restore(self, runtime: Runtime, cache: SerializedCache, salt: str | None) -> None:
+    def make_room_to_restore(self, served: ServedModel, cache: SerializedCache, salt: str | None) -> None:
         """Evict idle caches (not those the policy spares for queued requests) for a cache read from
         disk, or raise PoolExhaustedError, evicting nothing, where even all of them would not make room."""
-        store, pool = runtime.store, runtime.pool
+        store, pool = served.store, served.pool
         token_ids = [int(t) for t in cache.tensors["tokens"]]
         num_new = store.num_blocks_to_restore(token_ids, len(cache.state_points), cache.kv_starts, salt)
         spared = store.policy.spared_for_restore(self.queued_agent_ids)
@@ -149,8 +154,8 @@ class Scheduler:
         return frozenset(s.request.agent_id for s in self.waiting if s.request.agent_id is not None)
 
     @staticmethod
-    def _entry(position: int, submit: Submit, runtime: Runtime) -> WaitingEntry:
-        request, store = submit.request, runtime.store
+    def _entry(position: int, submit: Submit, served: ServedModel) -> WaitingEntry:
+        request, store = submit.request, served.store
         prompt, salt, agent_id = request.prompt_tokens, request.cache_salt, request.agent_id
         num_tokens = len(prompt) + request.sampling.max_tokens
         agent = store.agents.get(agent_id) if agent_id is not None else None
@@ -169,11 +174,11 @@ class Scheduler:
             position,
             submit.queued_at,
             len(prompt) - num_reusable,
-            runtime.loaded.spec.num_blocks_reserved(num_tokens),
+            served.loaded.spec.num_blocks_reserved(num_tokens),
             reused,
             agent_id,
             pins,
-            request.model_fingerprint in (None, runtime.loaded.fingerprint),
+            request.model_fingerprint in (None, served.loaded.fingerprint),
         )
 
 
@@ -205,8 +210,8 @@ def make_room(store: AgentCacheStore, action: Action) -> int:
     return 0
 
 
-def _refusal(refuse: Refuse, submit: Submit, runtime: Runtime) -> Exception:
-    request, pool = submit.request, runtime.pool
+def _refusal(refuse: Refuse, submit: Submit, served: ServedModel) -> Exception:
+    request, pool = submit.request, served.pool
     needed = refuse.num_blocks_needed
     if refuse.reason == "model_changed":
         return ModelChangedError("the model changed while the request waited")

@@ -70,7 +70,7 @@ def drafter_maker(speculate: str, draft_model: Any = None, num_token_ids: int = 
     """Each joining sequence's drafter: n-gram lookups, or the draft model loaded for `speculate`."""
     if speculate == "ngram":
         return NgramDrafter
-    assert draft_model is not None, f"speculate = {speculate!r} without its draft model: the runtime's bug"
+    assert draft_model is not None, f"speculate = {speculate!r} without its draft model: a bug"
     return lambda tokens: ModelDrafter(draft_model, tokens, num_token_ids)
 
 

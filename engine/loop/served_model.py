@@ -50,7 +50,7 @@ def speculation_for(config: EngineConfig, loaded: LoadedModel) -> Speculation | 
 
 
 @dataclass(slots=True)
-class Runtime:
+class ServedModel:
     loaded: LoadedModel
     pool: BlockPool
     store: AgentCacheStore
@@ -67,7 +67,7 @@ class Runtime:
         outbox: Outbox,
         layout: GroupLayout | None = None,
         collectives: Collectives | None = None,
-    ) -> Runtime:
+    ) -> ServedModel:
         """Load a model and check mlx-lm's internals we rely on; call on the engine thread. In a
         group every rank calls this in the same tick: each loads its shard, and the pool holds as
         many blocks on every rank (the fewest any rank's budget allows)."""
