@@ -18,15 +18,14 @@ setup:
 serve *ARGS:
     {{venv}}/bin/semantic serve {{ARGS}}
 
-# Lint, type-check and run the test suite (with Claude Code installed first where npm exists), in two
-# workers, each test file whole in one (its module fixtures built once).
+# Lint, type-check and run the test suite (with Claude Code installed first where npm exists).
 test *ARGS: lint
     -command -v npm >/dev/null && {{just_executable()}} claude-code
-    {{fast}} {{py}} -m pytest -q -n 2 --dist loadfile {{ARGS}}
+    {{fast}} {{py}} -m pytest -q {{ARGS}}
 
-# The long soaks left out of `just test` (tests marked slow), in the same two workers.
+# The long soaks and exhaustive variants left out of `just test` (tests marked slow); CI runs them too.
 test-slow *ARGS:
-    {{fast}} {{py}} -m pytest -q -n 2 --dist loadfile -m slow {{ARGS}}
+    {{fast}} {{py}} -m pytest -q -m slow {{ARGS}}
 
 # Install the Claude Code CLI into the user cache (tests look for it there).
 claude-code:

@@ -8,7 +8,8 @@ temperature, so every request samples at 0.7) and its default guided tool calls.
 own working directory, session and secret word (none of them a word the model was trained on), so
 a run passes only where the answer holds a word it could read nowhere but in the file. Each run's
 outcome, its answer, and the tool calls its transcripts hold (`Agent`, `Read`) go to
-bench/results/claude_code_read.json.
+bench/results/claude_code_read.json; a run that fails also keeps its transcripts' steps (each
+message's calls, results and text, cut short) and the server's warnings while it ran, to say why.
 
     python -m semantic.launch .venv/bin/python -m bench.claude_code_read [--runs 20]
 """
@@ -74,6 +75,29 @@ def tool_uses(config_dir: Path) -> dict[str, int]:
     return dict(names)
 
 
+def steps(config_dir: Path) -> list[str]:
+    """The run's transcripts, one line a block (the sub-agent's after the main session's): what failed."""
+    lines = []
+    for transcript in sorted(config_dir.rglob("*.jsonl"), key=lambda path: len(path.parts)):
+        agent = "sub-agent" if "subagents" in transcript.parts else "main"
+        for line in transcript.read_text().splitlines():
+            message = json.loads(line).get("message") or {}
+            content = message.get("content")
+            blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content or []
+            for block in blocks:
+                kind = block.get("type") if isinstance(block, dict) else None
+                if kind == "tool_use":
+                    said = f"{block.get('name')} {json.dumps(block.get('input'))}"
+                elif kind == "tool_result":
+                    said = json.dumps(block.get("content"))
+                elif kind == "text":
+                    said = repr(block.get("text"))
+                else:
+                    continue
+                lines.append(f"{agent} {message.get('role')} {kind}: {said[:240]}")
+    return lines
+
+
 def run_once(claude: str, server: ServerProcess, workdir: Path, secret: str) -> dict[str, Any]:
     notes = workdir / "notes.txt"
     notes.write_text(f"The secret word is {secret}.\n")
@@ -88,6 +112,7 @@ def run_once(claude: str, server: ServerProcess, workdir: Path, secret: str) -> 
         str(uuid.uuid4()),
         ask,
     ]
+    log_start = len(server.log())
     started = time.perf_counter()
     try:
         done = subprocess.run(
@@ -95,9 +120,14 @@ def run_once(claude: str, server: ServerProcess, workdir: Path, secret: str) -> 
             timeout=RUN_TIMEOUT_S,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
-        return {"secret": secret, "passed": False, "failure": f"no answer in {RUN_TIMEOUT_S} s"}
+        outcome: dict[str, Any] = {
+            "secret": secret,
+            "passed": False,
+            "failure": f"no answer in {RUN_TIMEOUT_S} s",
+        }
+        return outcome | evidence(server, workdir, log_start)
     seconds = round(time.perf_counter() - started, 1)
-    outcome: dict[str, Any] = {
+    outcome = {
         "secret": secret,
         "seconds": seconds,
         "tool_uses": tool_uses(workdir / ".claude"),
@@ -105,17 +135,27 @@ def run_once(claude: str, server: ServerProcess, workdir: Path, secret: str) -> 
     try:
         result = json.loads(done.stdout)
     except ValueError:
-        return {
-            **outcome,
+        outcome |= {
             "passed": False,
             "failure": f"exit {done.returncode}: {(done.stderr + done.stdout)[-500:]}",
         }
+        return outcome | evidence(server, workdir, log_start)
     answer = str(result.get("result", ""))
     passed = done.returncode == 0 and result.get("is_error") is False and secret in answer
     outcome |= {"passed": passed, "answer": answer[:300], "num_turns": result.get("num_turns")}
     if not passed:
         outcome["failure"] = "is_error" if result.get("is_error") else "the answer lacks the secret word"
+        outcome |= evidence(server, workdir, log_start)
     return outcome
+
+
+def evidence(server: ServerProcess, workdir: Path, log_start: int) -> dict[str, Any]:
+    """A failed run's transcript steps and the server's warnings and errors while it ran."""
+    log = server.log()[log_start:].splitlines()
+    return {
+        "steps": steps(workdir / ".claude"),
+        "server_warnings": [line[:400] for line in log if " WARNING " in line or " ERROR " in line][:20],
+    }
 
 
 def main() -> None:

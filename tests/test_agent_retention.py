@@ -223,9 +223,7 @@ def test_a_parents_prefix_a_running_sub_agent_shares_outlives_idle_agents(
     parent_prompt = _tokens(served, "You are the lead engineer. " * 8)[: 3 * 16 + 5]
     _run(served, outbox, loop, _request(parent_prompt, 2, "session"))
     for name in ("idle-a", "idle-b"):  # used after the parent: LRU would evict the parent first
-        _run(
-            served, outbox, loop, _request(_tokens(served, f"{name} asks about the weather. " * 3), 2, name)
-        )
+        _run(served, outbox, loop, _request(_tokens(served, f"{name} asks about the weather. " * 3), 2, name))
     assert [a.agent_id for a in store.evictable()] == ["session", "idle-a", "idle-b"]
 
     # A sub-agent whose prompt starts with the parent's three full blocks, still decoding.

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.agent_api_client import call, cold_continuation
 from tests.server_process import ServerProcess
 
@@ -42,6 +44,7 @@ def record(cache_dir: Path, agent_id: str) -> dict[str, Any]:
     return loaded
 
 
+@pytest.mark.slow  # a soak of kill -9s; test_durability.py kills one turn in the default suite
 def test_kill_9_during_turns_and_flushes_loses_no_acknowledged_turn(  # type: ignore[no-untyped-def]
     server_factory, default_model_dir: Path
 ) -> None:

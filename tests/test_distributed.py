@@ -73,7 +73,14 @@ def _conversations(cache_dir: Path, agent_ids: list[str]) -> dict[str, list[int]
     return {agent_id: conversation_tokens(cache_dir, agent_id, 1) for agent_id in agent_ids}
 
 
-@pytest.mark.parametrize(("model", "size"), [("llama", 2), ("llama", 3), ("default", 3)])
+@pytest.mark.parametrize(
+    ("model", "size"),
+    [
+        ("llama", 2),
+        pytest.param("llama", 3, marks=pytest.mark.slow),  # three ranks, and the real model: slow tests
+        pytest.param("default", 3, marks=pytest.mark.slow),
+    ],
+)
 def test_a_group_answers_four_agents_at_once_token_for_token_like_one_process(  # type: ignore[no-untyped-def]
     server_factory, tmp_path: Path, llama_dir: Path, default_model_dir: Path, model: str, size: int
 ) -> None:

@@ -28,6 +28,10 @@ from semantic.engine.decoding.sampling import SamplingParams
 from semantic.engine.loop.messages import GenerationRequest, TokenDelta
 from semantic.engine.mlx_adapter.api import load
 
+# Three 256-token runs of five prompts (mlx-lm's loop one prompt at a time, the engine twice): a
+# soak, run with the slow tests (`just test-slow`, which CI runs too).
+pytestmark = pytest.mark.slow
+
 NUM_TOKENS = 256
 # Logprobs of the same token moved by at most 1.7e-5 here (batching or kernels); a bug moves more.
 LOGPROB_TOLERANCE = 1e-4

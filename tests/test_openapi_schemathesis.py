@@ -89,11 +89,13 @@ def call_and_check(case: Any, server: ServerProcess) -> None:
         replied.add((case.operation.label, response.headers.get("content-type", [""])[0].split(";")[0]))
 
 
+@pytest.mark.slow  # generated requests, a soak: with the slow tests
 @schema.parametrize()
 def test_no_server_errors_and_every_response_follows_the_document(case: Any, server: ServerProcess) -> None:
     call_and_check(case, server)
 
 
+@pytest.mark.slow
 @turns.parametrize()
 @settings(max_examples=4)
 def test_streamed_turns_follow_the_document_event_by_event(case: Any, server: ServerProcess) -> None:
@@ -102,6 +104,7 @@ def test_streamed_turns_follow_the_document_event_by_event(case: Any, server: Se
     call_and_check(case, server)
 
 
+@pytest.mark.slow
 def test_valid_generated_turns_reach_the_model() -> None:
     """The document states what the handlers check (sampling ranges, required fields, agent ids),
     so requests generated as valid get replies, and the checks above see real turns, streamed too."""
