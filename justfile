@@ -18,14 +18,15 @@ setup:
 serve *ARGS:
     {{venv}}/bin/semantic serve {{ARGS}}
 
-# Lint, type-check and run the test suite (with Claude Code installed first where npm exists).
+# Lint, type-check and run the test suite (with Claude Code installed first where npm exists); the
+# slowest tests are listed at the end, to keep the suite short.
 test *ARGS: lint
     -command -v npm >/dev/null && {{just_executable()}} claude-code
-    {{fast}} {{py}} -m pytest -q {{ARGS}}
+    {{fast}} {{py}} -m pytest -q --durations=20 {{ARGS}}
 
 # The long soaks and exhaustive variants left out of `just test` (tests marked slow); CI runs them too.
 test-slow *ARGS:
-    {{fast}} {{py}} -m pytest -q -m slow {{ARGS}}
+    {{fast}} {{py}} -m pytest -q --durations=10 -m slow {{ARGS}}
 
 # Install the Claude Code CLI into the user cache (tests look for it there).
 claude-code:
