@@ -37,7 +37,7 @@ TURN = {"content": "Hello there.", "max_tokens": 3, "temperature": 0}
 Owned = tuple[str, str]  # (tenant, agent id as its client knows it)
 # Bounded for the default suite; the soak (marked slow: `just test-slow`) runs SOAK_EXAMPLES, or
 # LIFECYCLE_EXAMPLES where set.
-NUM_EXAMPLES = 2
+NUM_EXAMPLES = 1
 SOAK_EXAMPLES = int(os.environ.get("LIFECYCLE_EXAMPLES", "10"))
 NUM_STEPS = 20
 

@@ -89,7 +89,9 @@ def ask(server: ServerProcess, request: dict[str, Any], temperature: float, max_
 
 def calls_and_leaks(reply: Any, tools: list[dict[str, Any]]) -> tuple[int, list[str]]:
     """The reply's well-formed calls, and what is wrong with it: a call to an undeclared tool, one
-    whose input breaks its schema, call text left as prose."""
+    whose input breaks its schema, a call the model opened left as prose. Guidance starts at the
+    format's opener: prose the model wrote without one (a `"arguments"` object inside `<tools>`,
+    say) is its own text, counted by bench/tool_calls.py, not a call the server read."""
     schemas = {tool["name"]: tool["input_schema"] for tool in tools}
     wrong, num_calls = [], 0
     for block in reply.content:
@@ -102,7 +104,7 @@ def calls_and_leaks(reply: Any, tools: list[dict[str, Any]]) -> tuple[int, list[
                 jsonschema.validate(block.input, schemas[block.name])
             except jsonschema.ValidationError as error:
                 wrong.append(f"{block.name} {block.input}: {error.message}")
-        elif block.type == "text" and ("<tool_call>" in block.text or '"arguments"' in block.text):
+        elif block.type == "text" and ("<tool_call>" in block.text or "</tool_call>" in block.text):
             wrong.append(f"call as text: {block.text!r}")
     return num_calls, wrong
 

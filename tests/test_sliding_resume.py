@@ -34,7 +34,11 @@ NUM_TOKENS = 40  # past the 32-token window: the window at a reply's end no long
 SYSTEM_PROMPT = "You are a careful assistant who answers questions about rivers, boats and bridges. " * 8
 
 
-@pytest.fixture(scope="module", params=["gemma3_text", "gpt_oss", "gemma4_text"])
+# The design's two sliding-window targets run by default; Gemma 4's layout with the slow tests.
+@pytest.fixture(
+    scope="module",
+    params=["gemma3_text", "gpt_oss", pytest.param("gemma4_text", marks=pytest.mark.slow)],
+)
 def model_dir(
     request: pytest.FixtureRequest, default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
