@@ -8,12 +8,18 @@ llguidance cannot enforce with a `GrammarError` (a 400): never silent non-enforc
 then travels in the `GenerationRequest` to the engine thread, which alone uses it from then on:
 mlx-lm's BatchGenerator calls it as that sequence's logits processor, so sequences without a grammar
 pay nothing. A reply the grammar ended unfinished is an error, not a stop.
+
+A lazy grammar's matcher in free text never waits for the token just sampled (mlx-lm computes it
+while the next step is queued): it reads each token one step late and masks the step on the device,
+with the mask each token that could complete a trigger would bring (`TriggerLookahead`).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -22,6 +28,10 @@ from llguidance import LLMatcher, LLTokenizer
 from loguru import logger
 
 MAX_CACHED_GRAMMARS = 64
+# A free-text state after which more tokens than this could complete a trigger (text ending with a
+# trigger but its last character, where many tokens begin with that) is stepped synchronously: at
+# most one step a call, and a state's masks stay this many rows.
+MAX_LOOKAHEAD_TOKENS = 64
 
 
 # Between the triggers of a lazy grammar that has several (no call marker holds a NUL).
@@ -47,6 +57,10 @@ class GrammarMatcher:
     closed; where its closer is optional, the reply may end instead), and so on. The trigger may be
     several, joined by TRIGGER_SEPARATOR (a call block and its inner block, which models also write
     bare): the grammar then starts with the one the reply wrote, so it knows which.
+
+    In free text, with a `lookahead`, the token just sampled is left lagging (still being computed)
+    and consumed at the next call, when it is ready; the step is masked on the device by what that
+    token would open. Every step's mask is the one a matcher consuming each token at once applies.
     """
 
     def __init__(
@@ -56,6 +70,7 @@ class GrammarMatcher:
         eos_token_ids: list[int],
         grammar: str,
         trigger: str | None,
+        lookahead: TriggerLookahead | None = None,
     ) -> None:
         self.grammar = grammar  # the source, so another rank can compile the same matcher
         self.trigger = trigger
@@ -63,19 +78,36 @@ class GrammarMatcher:
         self._tokenizer = tokenizer
         self._eos_token_ids = eos_token_ids
         self._triggers = [t.encode() for t in trigger.split(TRIGGER_SEPARATOR)] if trigger else []
+        self._lookahead = lookahead if trigger else None
         self._matcher: LLMatcher | None = None if trigger else template
         self._pending = b""  # free text since the last call, as far as it may still hold a trigger
         self._num_calls = 0
-        self.failure: str | None = None  # why the grammar forced the reply's end unfinished
+        # The token a free-text step left for the next call to consume, and that step's vocabulary.
+        self._lagging: mx.array | None = None
+        self._lagging_vocab_size = 0
+        # Why the grammar forced the reply's end unfinished, as of the tokens consumed.
+        self.failure: str | None = None
         # Speculative decoding: what each draft consumed since `mask_drafts` changed, to take it back.
         self._drafted: list[tuple[LLMatcher | None, bytes, str | None, bool]] = []
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        self._catch_up()
+        if self._num_calls and self._matcher is None and self._lookahead is not None:
+            vocab_size = logits.shape[-1]
+            completions = self._lookahead.completions(self._pending, vocab_size)
+            if completions is not None:  # None: more could open a call than it masks at once
+                self._num_calls += 1
+                self._lagging, self._lagging_vocab_size = tokens[-1], vocab_size
+                # Queued now, ahead of the next step's forward pass, so the next call's read waits
+                # for this token only.
+                mx.async_eval(self._lagging)
+                return completions.masked(self._lagging, logits)
         return _masked(logits, self._next_mask(tokens, logits.shape[-1]))
 
     def num_allowed(self, tokens: Sequence[int]) -> int:
         """How many of `tokens`, from the next token to be consumed on, the grammar allows: inside a
         call, as far as the call goes (llguidance's `validate_tokens`); in free text, all of them."""
+        self._catch_up()
         matcher = self._matcher
         if matcher is None or matcher.is_stopped():
             return len(tokens) if matcher is None else 0
@@ -112,34 +144,42 @@ class GrammarMatcher:
         self._drafted.clear()
 
     def _next_mask(self, tokens: mx.array, vocab_size: int) -> np.ndarray | None:
+        self._catch_up()
         if self._num_calls:
             self._consume(int(tokens[-1].item()))  # type: ignore[arg-type]
         self._num_calls += 1
         return self._allowed_now(vocab_size)
+
+    def _catch_up(self) -> None:
+        """Consumes the token the last free-text step left lagging (ready by now: mlx-lm evaluates
+        each step's input before it returns), then notes what that step's mask did (a failure, a
+        call closed), as it would have."""
+        if self._lagging is None:
+            return
+        token, self._lagging = int(self._lagging.item()), None  # type: ignore[arg-type]
+        self._consume(token)
+        self._allowed_now(self._lagging_vocab_size)
 
     def _allowed_now(self, vocab_size: int) -> np.ndarray | None:
         """The mask of the next token (None: free text, anything goes); notes a failure."""
         matcher = self._matcher
         if matcher is None:
             return None
-        if matcher.is_error():
-            logger.error("grammar matcher failed ({}); ending the sequence", matcher.get_error())
-            self.failure = f"the output format's matcher failed: {matcher.get_error()}"
-            allowed = np.zeros(vocab_size, dtype=np.bool_)
-            allowed[[t for t in self._eos_token_ids if t < vocab_size]] = True
-        else:
-            allowed = token_mask(matcher, vocab_size)
-            if allows_only_end(allowed, self._eos_token_ids):
-                if not matcher.is_accepting():
-                    self.failure = "the output format allows no token that continues the reply"
-                elif self._triggers:  # the call is closed: free text again
-                    self._matcher = None
-                    return None
+        allowed, failure = _next_allowed(matcher, vocab_size, self._eos_token_ids)
+        if failure is not None:
+            if matcher.is_error():
+                logger.error("grammar matcher failed ({}); ending the sequence", matcher.get_error())
+            self.failure = failure
+        elif self._triggers and allows_only_end(allowed, self._eos_token_ids):
+            self._matcher = None  # the call is closed: free text again
+            return None
         return allowed
 
     def check_complete(self) -> None:
         """Raises IncompleteOutputError where the reply ended because the grammar could not go on;
-        read after the sequence finished (the engine thread is done with the matcher)."""
+        read after the sequence finished (the engine thread is done with the matcher, and the token
+        its last free-text step left lagging is long evaluated)."""
+        self._catch_up()
         if self.failure is not None:
             raise IncompleteOutputError(
                 f"the reply stopped before its output format was complete: {self.failure}"
@@ -147,26 +187,140 @@ class GrammarMatcher:
 
     def _consume(self, token: int) -> bool:
         """Feeds `token` to the grammar; returns whether the matcher that was current consumed it."""
-        matcher, triggers = self._matcher, self._triggers
+        matcher = self._matcher
         if matcher is not None:
             consumed = not matcher.is_stopped()
             if consumed:
                 matcher.consume_token(token)
             return consumed
-        assert triggers, "a matcher without a trigger is never idle: GrammarMatcher bug"
-        self._pending += self._tokenizer.decode_bytes([token])
-        found = [(at, trigger) for trigger in triggers if (at := self._pending.find(trigger)) >= 0]
-        if not found:
-            self._pending = self._pending[-max(map(len, triggers)) :]
-            return False
-        at, trigger = min(found)
-        rest, self._pending = self._pending[at + len(trigger) :], b""
-        if len(triggers) > 1:  # the grammar starts with the trigger, to tell which opened the call
-            rest = trigger + rest
-        self._matcher = self._template.deep_copy()
-        if rest:  # the token that completed the trigger also began the call
-            self._matcher.consume_tokens(self._tokenizer.tokenize_bytes(rest))
+        assert self._triggers, "a matcher without a trigger is never idle: GrammarMatcher bug"
+        text = self._pending + self._tokenizer.decode_bytes([token])
+        self._matcher, self._pending = _open_call(text, self._triggers, self._template, self._tokenizer)
         return False  # a new matcher: taking the token back drops it
+
+
+def _open_call(
+    text: bytes, triggers: list[bytes], template: LLMatcher, tokenizer: LLTokenizer
+) -> tuple[LLMatcher | None, bytes]:
+    """Free `text` (the pending text and the newest token's): the matcher of the call its first
+    trigger opened (a copy of `template`, fed what followed the trigger) and no pending text, or no
+    matcher and the end of `text` that may still begin a trigger."""
+    found = [(at, trigger) for trigger in triggers if (at := text.find(trigger)) >= 0]
+    if not found:
+        return None, text[-max(map(len, triggers)) :]
+    at, trigger = min(found)
+    rest = text[at + len(trigger) :]
+    if len(triggers) > 1:  # the grammar starts with the trigger, to tell which opened the call
+        rest = trigger + rest
+    matcher = template.deep_copy()
+    if rest:  # the token that completed the trigger also began the call
+        matcher.consume_tokens(tokenizer.tokenize_bytes(rest))
+    return matcher, b""
+
+
+def _next_allowed(
+    matcher: LLMatcher, vocab_size: int, eos_token_ids: list[int]
+) -> tuple[np.ndarray, str | None]:
+    """The mask after `matcher`'s tokens and, where it can only end the reply unfinished, why."""
+    if matcher.is_error():
+        allowed = np.zeros(vocab_size, dtype=np.bool_)
+        allowed[[t for t in eos_token_ids if t < vocab_size]] = True
+        return allowed, f"the output format's matcher failed: {matcher.get_error()}"
+    allowed = token_mask(matcher, vocab_size)
+    if allows_only_end(allowed, eos_token_ids) and not matcher.is_accepting():
+        return allowed, "the output format allows no token that continues the reply"
+    return allowed, None
+
+
+class TriggerIndex:
+    """A tokenizer's tokens that can complete a trigger set: those whose text holds a whole trigger,
+    and, by bisection of the sorted texts, those that begin with what a trigger's prefix lacks."""
+
+    def __init__(self, token_texts: list[bytes], triggers: list[bytes]) -> None:
+        self.triggers = triggers
+        self._sorted_ids = sorted(range(len(token_texts)), key=token_texts.__getitem__)
+        self._sorted_texts = [token_texts[t] for t in self._sorted_ids]
+        self._holding = {t for t, text in enumerate(token_texts) if any(tr in text for tr in triggers)}
+        self._prefixes = {trigger[:length] for trigger in triggers for length in range(1, len(trigger))}
+        self._prefix_ends = {prefix[-1:] for prefix in self._prefixes}
+        self._max_prefix_len = max(map(len, triggers)) - 1
+
+    def open_prefix(self, pending: bytes) -> bytes:
+        """The longest end of trigger-free `pending` that some trigger begins with: all of
+        `pending` that a next token's text can complete a trigger with."""
+        if pending[-1:] not in self._prefix_ends:  # most text
+            return b""
+        for length in range(min(len(pending), self._max_prefix_len), 0, -1):
+            if pending[-length:] in self._prefixes:
+                return pending[-length:]
+        return b""
+
+    def completing(self, prefix: bytes) -> list[int]:
+        """The tokens whose text after `prefix` (an `open_prefix`) holds a trigger, in id order."""
+        found = set(self._holding)
+        for length in range(1, len(prefix) + 1):
+            end = prefix[-length:]
+            for trigger in self.triggers:
+                if len(trigger) > length and trigger.startswith(end):
+                    found.update(self._starting_with(trigger[length:]))
+        return sorted(found)
+
+    def _starting_with(self, text: bytes) -> list[int]:
+        at = bisect_left(self._sorted_texts, text)
+        found = []
+        while at < len(self._sorted_texts) and self._sorted_texts[at].startswith(text):
+            found.append(self._sorted_ids[at])
+            at += 1
+        return found
+
+
+@dataclass(frozen=True, slots=True)
+class Completions:
+    """The tokens that would open a call from one free-text state, and the mask each brings."""
+
+    token_ids: mx.array  # (n,)
+    masks: mx.array  # (n + 1, vocab): after each of `token_ids`, then all allowed (still free)
+
+    def masked(self, token: mx.array, logits: mx.array) -> mx.array:
+        """`logits` masked as after `token`, chosen on the device: `token` is never waited for."""
+        if self.token_ids.size == 0:
+            return logits
+        row = mx.argmax(mx.concatenate([self.token_ids == token, mx.array([True])]))
+        return mx.where(self.masks[row], logits, mx.array(-np.inf, dtype=logits.dtype))
+
+
+@dataclass(slots=True)
+class TriggerLookahead:
+    """One lazy grammar's `Completions` by the free-text state they follow (the pending text's
+    `open_prefix`), computed once on the engine thread and shared by that grammar's matchers."""
+
+    template: LLMatcher  # never fed: each completion feeds a copy
+    tokenizer: LLTokenizer
+    eos_token_ids: list[int]
+    index: TriggerIndex
+    # None: a state stepped synchronously (too many tokens complete a trigger from it).
+    _by_prefix: dict[tuple[bytes, int], Completions | None] = field(default_factory=dict, init=False)
+
+    def completions(self, pending: bytes, vocab_size: int) -> Completions | None:
+        key = (self.index.open_prefix(pending), vocab_size)
+        if key not in self._by_prefix:
+            self._by_prefix[key] = self._completions(*key)
+        return self._by_prefix[key]
+
+    def _completions(self, prefix: bytes, vocab_size: int) -> Completions | None:
+        token_ids = self.index.completing(prefix)
+        if len(token_ids) > MAX_LOOKAHEAD_TOKENS:
+            return None
+        masks = []
+        for token in token_ids:
+            text = prefix + self.tokenizer.decode_bytes([token])
+            matcher, _ = _open_call(text, self.index.triggers, self.template, self.tokenizer)
+            assert matcher is not None, "a completing token opened no call: TriggerIndex bug"
+            allowed, failure = _next_allowed(matcher, vocab_size, self.eos_token_ids)
+            closed = failure is None and allows_only_end(allowed, self.eos_token_ids)  # free text again
+            masks.append(np.ones(vocab_size, dtype=np.bool_) if closed else allowed)
+        masks.append(np.ones(vocab_size, dtype=np.bool_))
+        return Completions(mx.array(token_ids, dtype=mx.int32), mx.array(np.stack(masks)))
 
 
 def _masked(logits: mx.array, allowed: np.ndarray | None) -> mx.array:
@@ -193,7 +347,9 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self._eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer: LLTokenizer | None = None
-        self._compiled: OrderedDict[tuple[str | None, str], LLMatcher] = OrderedDict()  # by (scope, grammar)
+        # By (scope, grammar): the compiled template and its lookahead by trigger.
+        self._compiled: OrderedDict[tuple[str | None, str], _Compiled] = OrderedDict()
+        self._trigger_indexes: dict[str, TriggerIndex] = {}
         self.num_cache_hits = 0
         self.num_cache_misses = 0
 
@@ -202,8 +358,8 @@ class GrammarCompiler:
         holding from the start or, with a `trigger`, each time the reply writes it; compiled ones
         are reused only within `scope` (the turn's cache salt)."""
         key = (scope, grammar)
-        template = self._compiled.get(key)
-        if template is None:
+        compiled = self._compiled.get(key)
+        if compiled is None:
             self.num_cache_misses += 1
             template = LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
             if template.is_error():
@@ -214,19 +370,39 @@ class GrammarCompiler:
                 and not template.is_accepting()
             ):
                 raise GrammarError("cannot enforce this output format: no reply can satisfy it")
-            self._compiled[key] = template
+            compiled = self._compiled[key] = _Compiled(template)
             if len(self._compiled) > MAX_CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
         else:
             self.num_cache_hits += 1
             self._compiled.move_to_end(key)
+        lookahead = None
+        if trigger:
+            lookahead = compiled.lookaheads.get(trigger)
+            if lookahead is None:
+                lookahead = compiled.lookaheads[trigger] = TriggerLookahead(
+                    compiled.template.deep_copy(),  # the engine thread's own
+                    self._llguidance_tokenizer(),
+                    self._eos_token_ids,
+                    self._trigger_index(trigger),
+                )
         return GrammarMatcher(
-            template.deep_copy(),
+            compiled.template.deep_copy(),
             self._llguidance_tokenizer(),
             self._eos_token_ids,
             grammar,
             trigger or None,
+            lookahead,
         )
+
+    def _trigger_index(self, trigger: str) -> TriggerIndex:
+        index = self._trigger_indexes.get(trigger)
+        if index is None:
+            tokenizer = self._llguidance_tokenizer()
+            texts = [tokenizer.decode_bytes([token]) for token in range(tokenizer.vocab_size)]
+            triggers = [t.encode() for t in trigger.split(TRIGGER_SEPARATOR)]
+            index = self._trigger_indexes[trigger] = TriggerIndex(texts, triggers)
+        return index
 
     def _llguidance_tokenizer(self) -> LLTokenizer:
         if self._ll_tokenizer is None:
@@ -238,3 +414,9 @@ class GrammarCompiler:
                 )
             self._ll_tokenizer = LLTokenizer(backend.to_str(), eos_token=self._eos_token_ids)
         return self._ll_tokenizer
+
+
+@dataclass(slots=True)
+class _Compiled:
+    template: LLMatcher  # never fed: each matcher gets a copy
+    lookaheads: dict[str, TriggerLookahead] = field(default_factory=dict)  # by trigger
