@@ -1,7 +1,7 @@
 """Write the real-chat-template table (tests/test_real_templates.py's JSON) into docs/models.md.
 
     REAL_TEMPLATES_OUT=bench/results/real_templates.json python -m semantic.launch \\
-        .venv/bin/python -m pytest tests/test_real_templates.py -q -p no:logging
+        .venv/bin/python -m pytest tests/test_real_templates.py -m '' -q -p no:logging
     python scripts/template_table.py [bench/results/real_templates.json] [--page docs/models.md]
 
 Replaces only what lies between `<!-- templates:begin -->` and `<!-- templates:end -->`.
@@ -17,7 +17,7 @@ from typing import Any
 BEGIN, END = "<!-- templates:begin -->", "<!-- templates:end -->"
 RERUN = (
     "REAL_TEMPLATES_OUT=bench/results/real_templates.json python -m semantic.launch "
-    ".venv/bin/python -m pytest tests/test_real_templates.py -q -p no:logging"
+    ".venv/bin/python -m pytest tests/test_real_templates.py -m '' -q -p no:logging"
 )
 
 

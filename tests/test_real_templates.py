@@ -15,7 +15,8 @@ reused (the `x-semantic-cache` header), not about the replies, which tests/confo
 token for token.
 
 `REAL_TEMPLATES_OUT=bench/results/real_templates.json` writes what each family did, for
-`scripts/template_table.py` (the table in docs/models.md).
+`scripts/template_table.py` (the table in docs/models.md); `-m ''` runs every family, the slow ones
+too.
 """
 
 from __future__ import annotations
