@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+import functools
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from loguru import logger
@@ -186,12 +187,14 @@ class AgentActor:
                     self.max_prompt_tokens,
                     explainer(session, notes, agent_id, kept, turn),
                 )
-                explaining = (self._models, session, notes, agent_id, kept, turn, prompt, explained)
+                explain = functools.partial(
+                    explain_turn, self._models, session, notes, agent_id, kept, turn, prompt, explained
+                )
                 is_fork = conversation is None and self._is_side_request(session, prompt)
                 # A fork leaves this agent's cache alone: the engine matches it by content or starts one.
                 request.agent_id = None if is_fork else self.agent_id
                 stream, restore, (cache, digest) = await self._submit(
-                    session, request, turn.cache_salt, explaining, holds_final=not is_fork
+                    session, request, turn.cache_salt, explain, holds_final=not is_fork
                 )
                 if is_fork:
                     return self._answer_fork(reply, session, prompt, stream, cache, restore)
@@ -283,20 +286,20 @@ class AgentActor:
         session: ModelSession,
         request: GenerationRequest,
         cache_salt: str | None,
-        explaining: tuple[Any, ...],
+        explain: Callable[[], Awaitable[Explained]],
         holds_final: bool,
     ) -> tuple[RequestStream, RestoreDecision | None, Explained]:
         """Submit the turn, behind the agent's cache if that has to be read from disk (the engine
         thread takes its messages in order), then settle the restore's answer; with the restore's
-        decision where one was made, and the turn explained (`explain_turn` of `explaining`) before
+        decision where one was made, and the turn explained (`explain`, its `explain_turn`) before
         the submit (headers go first), after the read (a restarted server's note is the file's).
         With `holds_final` the stream keeps the engine's Finished for `_finish_turn` from the start."""
         restoring, decision, explained = await self._send_cache_from_disk(
-            session, request.request_id, cache_salt, explaining
+            session, request.request_id, cache_salt, explain
         )
         try:
             if explained is None:  # no file read: explained from what the agent's notes hold
-                explained = await explain_turn(*explaining)
+                explained = await explain()
             stream = self._engine.submit(request)
             if holds_final:  # before this task yields: no event can have reached the stream yet
                 stream.hold_final()
@@ -306,7 +309,11 @@ class AgentActor:
                 await self._settle_restore(session, restoring)
 
     async def _send_cache_from_disk(
-        self, session: ModelSession, request_id: str, cache_salt: str | None, explaining: tuple[Any, ...]
+        self,
+        session: ModelSession,
+        request_id: str,
+        cache_salt: str | None,
+        explain: Callable[[], Awaitable[Explained]],
     ) -> tuple[asyncio.Future[bool] | None, RestoreDecision | None, Explained | None]:
         """If the agent's cache is on disk and not in memory, and reading it is estimated cheaper
         than computing it (restore_cost.py), read it and send it to the engine; the answer comes
@@ -347,7 +354,7 @@ class AgentActor:
             history = history_of(cache.tensors["tokens"].tolist(), ())
             self._cache_notes.record(agent_id, TurnNote(fingerprint, history, None))
         # Explained now (again, where the note is the file's), so the submit follows the restore at once.
-        explained = await explain_turn(*explaining)
+        explained = await explain()
         try:
             return self._engine.send(RestoreCache(cache, fingerprint, cache_salt)), decision, explained
         except EngineError as error:  # the engine stopping: the submit says so
