@@ -17,6 +17,8 @@ Ours, where mlx-lm has nothing (its server drops what fails to parse and takes w
 - a reply that opens with a bare `{"name"` object is a call, for Llama 3.x;
 - a call's inner block written without the block's own markers (Qwen3-Coder's `<function=...>`
   without `<tool_call>`) is a call;
+- the block's closer written again right after a call closed (nothing but whitespace between) is a
+  stray marker, dropped, not text;
 - what went wrong with a call (cut off, unreadable) is kept in `failures`, for the log.
 """
 
@@ -83,6 +85,8 @@ class ToolCallParser:
         self._call_text = ""
         # Held while the reply may still open with a bare JSON call (None: it cannot any more).
         self._reply_head: str | None = "" if tool_format.bare_json_calls else None
+        # Held after a call closed, while the text may still be its closer written again (None: not).
+        self._after_call: str | None = None
 
     def feed(self, text: str) -> list[ParsedPart]:
         if not self.enabled:
@@ -93,6 +97,9 @@ class ToolCallParser:
         parts: list[ParsedPart] = []
         for at, (state, piece) in enumerate(segments):
             if state != "normal":
+                if self._after_call:  # whitespace between two calls: the reply's text
+                    parts.append(TextPart(self._after_call))
+                self._after_call = None
                 if self._call_opener is None:
                     self._call_opener = self._format.start if state == "tool" else self._format.inner_start
                 self._call_text += piece
@@ -101,9 +108,26 @@ class ToolCallParser:
                 if not self._is_inner and _ends_inside_a_json_string(self._call_text):
                     return parts + self._reread_as_call(_rejoin(segments[at:], self._format))
                 parts += self._close_call(self._format.inner_end if self._is_inner else self._format.end)
+            if self._after_call is not None:
+                piece = self._past_a_stray_closer(piece)
             if piece:
                 parts.append(TextPart(piece))
         return parts
+
+    def _past_a_stray_closer(self, piece: str) -> str:
+        """The text after a closed call, less the block's closer where the model wrote it again; held
+        back while it may still be that closer."""
+        held = (self._after_call or "") + piece
+        stripped, closer = held.lstrip(), self._format.end
+        if stripped.startswith(closer):
+            self._after_call = None
+            self.failures.append(f"a stray {closer} after a call, dropped")
+            return stripped[len(closer) :]
+        if closer.startswith(stripped):  # whitespace, or the closer's beginning: wait for more
+            self._after_call = held
+            return ""
+        self._after_call = None
+        return held
 
     @property
     def _is_inner(self) -> bool:
@@ -127,6 +151,8 @@ class ToolCallParser:
             self._call_text += rest
             self.failures.append(f"the reply ended inside a call: {_preview(self._call_text)}")
             return parts + self._close_call("")
+        held, self._after_call = self._after_call or "", None  # not a whole closer: the reply's text
+        rest = held + rest
         return parts + ([TextPart(rest)] if rest else [])
 
     def _read_reply_head(self, text: str) -> str:
@@ -162,6 +188,8 @@ class ToolCallParser:
             json_text = json.dumps(arguments, ensure_ascii=False)
             parts += [ToolCallStart(index, name), ToolArgumentsDelta(index, json_text)]
             parts.append(ToolCallEnd(index, name, arguments))
+        if self._format.end:
+            self._after_call = ""
         return parts
 
     def _parse(self, body: str) -> list[tuple[str, dict[str, Any]]] | None:

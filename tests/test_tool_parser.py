@@ -207,6 +207,33 @@ def test_a_cut_off_call_that_no_parser_reads_comes_back_as_text() -> None:
     assert summary(run("qwen3_coder", [reply])) == (reply, [])
 
 
+@pytest.mark.parametrize("key", ["hermes", "glm47", "qwen3_coder", "minimax_m2"])
+@pytest.mark.parametrize("step", [1, 2, 1000])
+def test_a_closer_written_again_right_after_a_call_is_dropped_not_text(key: str, step: int) -> None:
+    """GLM-4.7 was seen writing `</tool_call>` again after a guided call had closed."""
+    closer = tool_format(key).end
+    reply = BY_KEY[key].call + "\n" + closer + "\nDone."
+    parser = ToolCallParser(tool_format(key), TOOLS)
+    parts = [part for at in range(0, len(reply), step) for part in parser.feed(reply[at : at + step])]
+    assert summary(parts + parser.finish()) == ("\nDone.", [("get_weather", ARGUMENTS)])
+    assert parser.failures == [f"a stray {closer} after a call, dropped"]
+
+
+@pytest.mark.parametrize(
+    "after",
+    ["\n</tool_thing> stays", "\n</tool_", "  Done. </tool_call>", "\n<tool_call>\nnot json\n</tool_call>"],
+)
+def test_text_after_a_call_that_is_not_its_closer_again_stays_text(after: str) -> None:
+    call = BY_KEY["hermes"].call
+    for chunks in ([call + after], list(call + after)):
+        assert summary(run("hermes", chunks)) == (after, [("get_weather", ARGUMENTS)])
+
+
+def test_whitespace_between_two_calls_stays_text() -> None:
+    call = BY_KEY["hermes"].call
+    assert summary(run("hermes", [call + "\n\n" + call])) == ("\n\n", [("get_weather", ARGUMENTS)] * 2)
+
+
 SAMPLES = [(family.key, family.text_before + family.call) for family in FAMILIES] + [
     ("hermes", "Text, then a broken call <tool_call> not json </tool_call> and more text."),
     ("llama3", '{"name": "cut", "parameters": {"text": "unfinished'),
