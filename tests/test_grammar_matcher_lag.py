@@ -88,7 +88,7 @@ def matchers(name: str) -> tuple[GrammarMatcher, GrammarMatcher]:
     _, compiler, formats = setup()
     f = formats[name]
     lagging, at_once = compiler.matcher(f.grammar, f.trigger), compiler.matcher(f.grammar, f.trigger)
-    at_once._lookahead = None  # every step synchronous, from the same compiled template
+    at_once.lags = False  # every step synchronous, from the same compiled template and its bans
     return lagging, at_once
 
 
@@ -226,15 +226,21 @@ def test_calls_open_and_close_between_lagged_steps(name: str) -> None:
         assert any(states) and not states[-1], "no call opened and closed: the test checks less than it says"
 
 
-@pytest.mark.parametrize(("closer", "fails"), [(">.", False), (">>", True)])
-def test_the_token_that_completes_a_trigger_may_close_or_break_the_call(closer: str, fails: bool) -> None:
-    """That token is the last the lagging matcher consumes before the reply ends: `check_complete`
+@pytest.mark.parametrize(("closer", "refused"), [(">.", False), (">>", True)])
+def test_a_token_that_would_open_a_call_the_grammar_refuses_is_banned(closer: str, refused: bool) -> None:
+    """`>.` completes the trigger and closes the call; `>>` would open a call that cannot go on, so
+    free text after `<tool_call` bans it (as mlx-lm's own masks ban what a call cannot hold) and the
+    reply never breaks. The token is the last the lagging matcher consumes: `check_complete`
     catches up on it."""
-    assert len(encode(closer, [])) == 1
-    wanted = encode("Hi <tool_call", []) + encode(closer, []) + encode(" and", [])
+    (token,) = encode(closer, [])
+    wanted = [*encode("Hi <tool_call", []), token, *encode(" and", [])]
     for widths in ([0], [0, 1]):
         lagging = list(run_both("closing", wanted, widths, 3))[-1]
-        assert (failure_of(lagging) is not None) == fails
+        assert failure_of(lagging) is None
+    lookahead = lagging._lookahead
+    assert lookahead is not None
+    banned = lookahead.free_mask(b"Hi <tool_call", len(setup()[0].vocab))
+    assert (banned is not None and not banned[token]) == refused
 
 
 def test_free_text_reads_each_token_one_step_late(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -79,6 +79,7 @@ class GrammarMatcher:
         self._eos_token_ids = eos_token_ids
         self._triggers = [t.encode() for t in trigger.split(TRIGGER_SEPARATOR)] if trigger else []
         self._lookahead = lookahead if trigger else None
+        self.lags = self._lookahead is not None  # free text read a step late (False: every step at once)
         self._matcher: LLMatcher | None = None if trigger else template
         self._pending = b""  # free text since the last call, as far as it may still hold a trigger
         self._num_calls = 0
@@ -92,10 +93,13 @@ class GrammarMatcher:
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         self._catch_up()
-        if self._num_calls and self._matcher is None and self._lookahead is not None:
+        lookahead = self._lookahead
+        if self.lags and self._num_calls and self._matcher is None and lookahead is not None:
             vocab_size = logits.shape[-1]
-            completions = self._lookahead.completions(self._pending, vocab_size)
-            if completions is not None:  # None: more could open a call than it masks at once
+            # None: more could open a call than it masks at once, or a token could lead to a state
+            # whose mask bans openers the grammar refuses: stepped synchronously.
+            completions = lookahead.completions(self._pending, vocab_size)
+            if completions is not None:
                 self._num_calls += 1
                 self._lagging, self._lagging_vocab_size = tokens[-1], vocab_size
                 # Queued now, ahead of the next step's forward pass, so the next call's read waits
@@ -164,7 +168,7 @@ class GrammarMatcher:
         """The mask of the next token (None: free text, anything goes); notes a failure."""
         matcher = self._matcher
         if matcher is None:
-            return None
+            return self._lookahead.free_mask(self._pending, vocab_size) if self._lookahead else None
         allowed, failure = _next_allowed(matcher, vocab_size, self._eos_token_ids)
         if failure is not None:
             if matcher.is_error():
@@ -244,6 +248,9 @@ class TriggerIndex:
         self._prefixes = {trigger[:length] for trigger in triggers for length in range(1, len(trigger))}
         self._prefix_ends = {prefix[-1:] for prefix in self._prefixes}
         self._max_prefix_len = max(map(len, triggers)) - 1
+        self.trigger_prefixes = sorted(self._prefixes)
+        self._ends: dict[bytes, bool] = {}  # by trigger prefix: whether a token's text ends with it
+        self._texts = set(token_texts)
 
     def open_prefix(self, pending: bytes) -> bytes:
         """The longest end of trigger-free `pending` that some trigger begins with: all of
@@ -265,6 +272,22 @@ class TriggerIndex:
                     found.update(self._starting_with(trigger[length:]))
         return sorted(found)
 
+    def reaches(self, prefix: bytes, state: bytes) -> bool:
+        """Whether one token's text after `prefix` (an `open_prefix`) ends with trigger prefix `state`
+        (a state the pending text can then be in): a token ending with all of it, or one that is
+        exactly the rest of it where `prefix` ends with its beginning."""
+        if self._ending_with(state):
+            return True
+        return any(
+            prefix.endswith(state[:cut]) and state[cut:] in self._texts for cut in range(1, len(state))
+        )
+
+    def _ending_with(self, text: bytes) -> bool:
+        found = self._ends.get(text)
+        if found is None:
+            found = self._ends[text] = any(token.endswith(text) for token in self._sorted_texts)
+        return found
+
     def _starting_with(self, text: bytes) -> list[int]:
         at = bisect_left(self._sorted_texts, text)
         found = []
@@ -279,12 +302,18 @@ class Completions:
     """The tokens that would open a call from one free-text state, and the mask each brings."""
 
     token_ids: mx.array  # (n,)
-    masks: mx.array  # (n + 1, vocab): after each of `token_ids`, then all allowed (still free)
+    # (n + 1, vocab): after each of `token_ids`, then still free (openers the grammar refuses banned)
+    masks: mx.array
+    bans: bool  # whether the still-free row bans any token
 
     def masked(self, token: mx.array, logits: mx.array) -> mx.array:
         """`logits` masked as after `token`, chosen on the device: `token` is never waited for."""
         if self.token_ids.size == 0:
-            return logits
+            return (
+                mx.where(self.masks[0], logits, mx.array(-np.inf, dtype=logits.dtype))
+                if self.bans
+                else logits
+            )
         row = mx.argmax(mx.concatenate([self.token_ids == token, mx.array([True])]))
         return mx.where(self.masks[row], logits, mx.array(-np.inf, dtype=logits.dtype))
 
@@ -292,14 +321,21 @@ class Completions:
 @dataclass(slots=True)
 class TriggerLookahead:
     """One lazy grammar's `Completions` by the free-text state they follow (the pending text's
-    `open_prefix`), computed once on the engine thread and shared by that grammar's matchers."""
+    `open_prefix`), computed once on the engine thread and shared by that grammar's matchers.
+
+    An opener the grammar refuses (a token that completes the trigger and carries on with what the
+    call cannot begin with, `>,` after `<tool_call`) is banned in the state it would follow, as a
+    call's masks ban what the call cannot hold. A state from which one token reaches a state with
+    such bans is stepped synchronously: its mask depends on a token not yet read."""
 
     template: LLMatcher  # never fed: each completion feeds a copy
     tokenizer: LLTokenizer
     eos_token_ids: list[int]
     index: TriggerIndex
-    # None: a state stepped synchronously (too many tokens complete a trigger from it).
+    # None: a state stepped synchronously (too many tokens complete a trigger from it, or risky).
     _by_prefix: dict[tuple[bytes, int], Completions | None] = field(default_factory=dict, init=False)
+    _refused: dict[bytes, list[int]] = field(default_factory=dict, init=False)
+    _risky: dict[bytes, bool] = field(default_factory=dict, init=False)
 
     def completions(self, pending: bytes, vocab_size: int) -> Completions | None:
         key = (self.index.open_prefix(pending), vocab_size)
@@ -307,10 +343,47 @@ class TriggerLookahead:
             self._by_prefix[key] = self._completions(*key)
         return self._by_prefix[key]
 
+    def free_mask(self, pending: bytes, vocab_size: int) -> np.ndarray | None:
+        """Free text's mask after `pending`: None (anything goes) or the openers the grammar refuses
+        banned."""
+        refused = self.refused(self.index.open_prefix(pending))
+        if not refused:
+            return None
+        allowed = np.ones(vocab_size, dtype=np.bool_)
+        allowed[[token for token in refused if token < vocab_size]] = False
+        return allowed
+
+    def refused(self, prefix: bytes) -> list[int]:
+        """The tokens that complete a trigger after `prefix` into a call the grammar cannot go on with."""
+        if prefix not in self._refused:
+            refused = []
+            for token in self.index.completing(prefix):
+                text = prefix + self.tokenizer.decode_bytes([token])
+                matcher, _ = _open_call(text, self.index.triggers, self.template, self.tokenizer)
+                assert matcher is not None, "a completing token opened no call: TriggerIndex bug"
+                if matcher.is_error() or (matcher.is_stopped() and not matcher.is_accepting()):
+                    refused.append(token)
+            self._refused[prefix] = refused
+        return self._refused[prefix]
+
+    def _is_risky(self, prefix: bytes) -> bool:
+        """Whether one token after `prefix` can reach a trigger prefix with bans of its own (beyond
+        those of every state: tokens holding a whole trigger and refused)."""
+        if prefix not in self._risky:
+            everywhere = set(self.refused(b""))
+            self._risky[prefix] = any(
+                self.index.reaches(prefix, state)
+                for state in self.index.trigger_prefixes
+                if set(self.refused(state)) - everywhere
+            )
+        return self._risky[prefix]
+
     def _completions(self, prefix: bytes, vocab_size: int) -> Completions | None:
         token_ids = self.index.completing(prefix)
-        if len(token_ids) > MAX_LOOKAHEAD_TOKENS:
+        if len(token_ids) > MAX_LOOKAHEAD_TOKENS or self._is_risky(prefix):
             return None
+        free = self.free_mask(b"", vocab_size)  # still free: bans that hold in every state
+        free = np.ones(vocab_size, dtype=np.bool_) if free is None else free
         masks = []
         for token in token_ids:
             text = prefix + self.tokenizer.decode_bytes([token])
@@ -318,9 +391,10 @@ class TriggerLookahead:
             assert matcher is not None, "a completing token opened no call: TriggerIndex bug"
             allowed, failure = _next_allowed(matcher, vocab_size, self.eos_token_ids)
             closed = failure is None and allows_only_end(allowed, self.eos_token_ids)  # free text again
-            masks.append(np.ones(vocab_size, dtype=np.bool_) if closed else allowed)
-        masks.append(np.ones(vocab_size, dtype=np.bool_))
-        return Completions(mx.array(token_ids, dtype=mx.int32), mx.array(np.stack(masks)))
+            masks.append(free if closed else allowed)
+        masks.append(free)
+        bans = not bool(free.all())
+        return Completions(mx.array(token_ids, dtype=mx.int32), mx.array(np.stack(masks)), bans)
 
 
 def _masked(logits: mx.array, allowed: np.ndarray | None) -> mx.array:
