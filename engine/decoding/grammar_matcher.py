@@ -358,13 +358,18 @@ class TriggerLookahead:
         if prefix not in self._refused:
             refused = []
             for token in self.index.completing(prefix):
-                text = prefix + self.tokenizer.decode_bytes([token])
-                matcher, _ = _open_call(text, self.index.triggers, self.template, self.tokenizer)
-                assert matcher is not None, "a completing token opened no call: TriggerIndex bug"
+                matcher = self._opened(prefix, token)
                 if matcher.is_error() or (matcher.is_stopped() and not matcher.is_accepting()):
                     refused.append(token)
             self._refused[prefix] = refused
         return self._refused[prefix]
+
+    def _opened(self, prefix: bytes, token: int) -> LLMatcher:
+        """The call `token` opens after `prefix` (one of `index.completing(prefix)`)."""
+        text = prefix + self.tokenizer.decode_bytes([token])
+        matcher, _ = _open_call(text, self.index.triggers, self.template, self.tokenizer)
+        assert matcher is not None, "a completing token opened no call: TriggerIndex bug"
+        return matcher
 
     def _is_risky(self, prefix: bytes) -> bool:
         """Whether one token after `prefix` can reach a trigger prefix with bans of its own (beyond
@@ -386,10 +391,7 @@ class TriggerLookahead:
         free = np.ones(vocab_size, dtype=np.bool_) if free is None else free
         masks = []
         for token in token_ids:
-            text = prefix + self.tokenizer.decode_bytes([token])
-            matcher, _ = _open_call(text, self.index.triggers, self.template, self.tokenizer)
-            assert matcher is not None, "a completing token opened no call: TriggerIndex bug"
-            allowed, failure = _next_allowed(matcher, vocab_size, self.eos_token_ids)
+            allowed, failure = _next_allowed(self._opened(prefix, token), vocab_size, self.eos_token_ids)
             closed = failure is None and allows_only_end(allowed, self.eos_token_ids)  # free text again
             masks.append(free if closed else allowed)
         masks.append(free)
