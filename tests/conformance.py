@@ -17,8 +17,6 @@ import argparse
 import asyncio
 import os
 import platform
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ from tests.arch_configs import ARCHITECTURES
 from tests.arch_spec import ArchSpec
 from tests.conformance_checks import CheckResult, RefusedError, judge, run_engine_checks
 from tests.conformance_models import build_model, layer_kinds, save_model_dir
+from tests.server_process import run_module
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER_TIMEOUT_S = 1800.0
@@ -102,16 +101,9 @@ def check_isolated(
     arch_dir.mkdir(parents=True, exist_ok=True)
     result_path, log_path = arch_dir / "result.json", arch_dir / "log.txt"
     result_path.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "tests.conformance", "--worker", spec.name, "--work-dir", str(arch_dir)]
-    command += ["--tokenizer-dir", str(tokenizer_dir)]
+    argv = ["--worker", spec.name, "--work-dir", str(arch_dir), "--tokenizer-dir", str(tokenizer_dir)]
     started = time.monotonic()
-    with log_path.open("w") as log:
-        try:
-            code = subprocess.run(
-                command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
-            ).returncode
-        except subprocess.TimeoutExpired:
-            code = None
+    code = run_module("tests.conformance", argv, log_path, timeout_s)
     if result_path.exists():
         return msgspec.json.decode(result_path.read_bytes(), type=ArchResult)
     tail = log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]

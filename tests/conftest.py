@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from semantic.engine.loop.backend_profile import FAST_BLAS_MARKER
 from semantic.engine.model.default_model import ensure_default_model
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, Zygote
 from tests.tiny_models import build_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -29,6 +30,25 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             py_compile.compile(path, cfile=importlib.util.cache_from_source(path), quiet=2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def server_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Servers forked from one process that imported them (tests/server_zygote.py), on Linux where
+    the session runs under the launcher (`just test`: the servers' environment is then the
+    session's); elsewhere, or with FORK_TEST_SERVERS=0, each starts from nothing."""
+    if (
+        not sys.platform.startswith("linux")
+        or not os.environ.get(FAST_BLAS_MARKER)
+        or os.environ.get("FORK_TEST_SERVERS", "1") == "0"
+    ):
+        yield
+        return
+    zygote = Zygote(tmp_path_factory.mktemp("zygote") / "zygote.sock")
+    ServerProcess.zygote = zygote
+    yield
+    ServerProcess.zygote = None
+    zygote.close()
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     return ensure_default_model("float32")
@@ -38,6 +58,14 @@ def default_model_dir() -> Path:
 def tiny_model_dirs(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("tiny-models")
     return {kind: build_tiny_model(kind, base / kind, default_model_dir) for kind in ("gemma3", "qwen2")}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-layer random-weight Llama with the default model's tokenizer: for tests of what the server
+    does around the model (HTTP, limits, tenancy, shutdown), where a step should cost milliseconds
+    and the words do not matter. Its greedy replies are still mlx-lm's, token for token."""
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-llama") / "llama", default_model_dir)
 
 
 @pytest.fixture
