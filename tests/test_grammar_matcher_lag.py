@@ -195,14 +195,15 @@ segments = st.one_of(
 )
 
 
-@settings(max_examples=80, deadline=None)
-@given(
-    name=st.sampled_from(["hermes", "qwen3_coder", "def", "e", "closing"]),
-    parts=st.lists(st.tuples(segments, st.lists(st.integers(0, 200), max_size=4)), min_size=1, max_size=6),
-    widths=st.lists(st.sampled_from([0, 0, 0, 1, 2, 4]), min_size=1, max_size=5),
-    seed=st.integers(0, 2**16),
-)
-def test_lagging_matcher_masks_every_step_as_one_consuming_at_once(
+replies = {
+    "name": st.sampled_from(["hermes", "qwen3_coder", "def", "e", "closing"]),
+    "parts": st.lists(st.tuples(segments, st.lists(st.integers(0, 200), max_size=4)), min_size=1, max_size=6),
+    "widths": st.lists(st.sampled_from([0, 0, 0, 1, 2, 4]), min_size=1, max_size=5),
+    "seed": st.integers(0, 2**16),
+}
+
+
+def masks_every_step_as_one_consuming_at_once(
     name: str, parts: list[tuple[Any, list[int]]], widths: list[int], seed: int
 ) -> None:
     calls = setup()[2][name].calls
@@ -215,6 +216,15 @@ def test_lagging_matcher_masks_every_step_as_one_consuming_at_once(
             wanted += encode(segment, splits)
     for _ in run_both(name, wanted, widths, seed):
         pass
+
+
+# The default suite draws 25 replies; the slow tests (which CI also runs) draw 200.
+test_lagging_matcher_masks_every_step_as_one_consuming_at_once = settings(max_examples=25, deadline=None)(
+    given(**replies)(masks_every_step_as_one_consuming_at_once)
+)
+test_lagging_matcher_masks_many_more_replies_as_one_consuming_at_once = pytest.mark.slow(
+    settings(max_examples=200, deadline=None)(given(**replies)(masks_every_step_as_one_consuming_at_once))
+)
 
 
 @pytest.mark.parametrize("name", ["hermes", "qwen3_coder", "def"])

@@ -324,10 +324,7 @@ def test_a_reply_may_end_a_call_without_its_blocks_closer(key: str) -> None:
     assert parse(key, TOOLS, BEFORE + call)[0] == [("get_weather", {"city": "Paris", "days": 3})]
 
 
-@pytest.mark.parametrize("key", FAMILIES)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data())
-def test_a_call_is_accepted_exactly_when_it_reads_back_as_written(key: str, data: st.DataObject) -> None:
+def accepted_exactly_when_it_reads_back_as_written(key: str, data: st.DataObject) -> None:
     """A call as the family's template renders it is accepted (forced, after the prompt's opening;
     then lazily, from the trigger, too) when its parser reads it back as the rendering of a valid
     call, and only then: never one that reads back as other arguments, or not at all."""
@@ -358,6 +355,19 @@ def test_a_call_is_accepted_exactly_when_it_reads_back_as_written(key: str, data
         )
     elif reads_back:
         assert not all(within_limits(key, properties[k], v) for k, v in arguments.items()), (call, read)
+
+
+def drawing(num_calls: int) -> Any:
+    """The property above over `num_calls` drawn calls of each family."""
+    draws = settings(max_examples=num_calls, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    return pytest.mark.parametrize("key", FAMILIES)(
+        draws(given(data=st.data())(accepted_exactly_when_it_reads_back_as_written))
+    )
+
+
+# The default suite draws 15 calls of each family; the slow tests (which CI also runs) draw 120.
+test_a_call_is_accepted_exactly_when_it_reads_back_as_written = drawing(15)
+test_many_more_calls_are_accepted_exactly_when_they_read_back_as_written = pytest.mark.slow(drawing(120))
 
 
 def random_call(key: str, tools: Tools, rng: random.Random, limit: int = 400) -> str | None:
