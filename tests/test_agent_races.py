@@ -1,5 +1,7 @@
 """An agent's existence has one owner, its actor: creates racing a first turn or each other, deletes
-racing a running turn, and agents while the model is unloaded (issue 63, items 1, 2 and DELETE)."""
+racing a running turn, and agents while the model is unloaded (issue 63, items 1, 2 and DELETE).
+
+The server runs the tiny random-weight model: what races is the agents' bookkeeping, not the words."""
 
 from __future__ import annotations
 
@@ -26,9 +28,9 @@ LONG_TURN = {"max_tokens": 400, "temperature": 0, "stream": True}
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     process = ServerProcess(
-        tmp_path_factory.mktemp("agent-races"), "--model", str(default_model_dir), "--cache-budget-mb", "256"
+        tmp_path_factory.mktemp("agent-races"), "--model", str(tiny_llama_dir), "--cache-budget-mb", "256"
     ).start()
     yield process
     process.stop()

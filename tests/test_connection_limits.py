@@ -5,6 +5,7 @@ is not gzip is a 400 in the protocol's error shape.
 
 Two real servers on loopback: `quick` with short deadlines, and `capped` with a cap of 20 and long
 deadlines but the head's, so only the head deadline can close a socket that never finishes its head.
+Both serve the tiny random-weight model: no request here reaches it.
 """
 
 from __future__ import annotations
@@ -33,25 +34,23 @@ CLOSE_PATIENCE_S = 60.0  # far past every deadline the servers below are given; 
 MAX_CONNECTIONS = 20
 
 
-def start_server(default_model_dir: Path, cache_dir: Path, *flags: str) -> ServerProcess:
-    return ServerProcess(
-        cache_dir, "--model", str(default_model_dir), "--heap-reserve-mb", "0", *flags
-    ).start()
+def start_server(model_dir: Path, cache_dir: Path, *flags: str) -> ServerProcess:
+    return ServerProcess(cache_dir, "--model", str(model_dir), "--heap-reserve-mb", "0", *flags).start()
 
 
 @pytest.fixture(scope="module")
-def quick(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def quick(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     flags = ("--header-timeout-s", "5", "--body-timeout-s", "1", "--keepalive-timeout-s", "1")
-    server = start_server(default_model_dir, tmp_path_factory.mktemp("quick"), *flags)
+    server = start_server(tiny_llama_dir, tmp_path_factory.mktemp("quick"), *flags)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def capped(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def capped(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     flags = ("--max-connections", str(MAX_CONNECTIONS), "--header-timeout-s", "5")
     long_deadlines = ("--body-timeout-s", "300", "--keepalive-timeout-s", "300")
-    server = start_server(default_model_dir, tmp_path_factory.mktemp("capped"), *flags, *long_deadlines)
+    server = start_server(tiny_llama_dir, tmp_path_factory.mktemp("capped"), *flags, *long_deadlines)
     yield server
     server.stop()
 

@@ -96,12 +96,10 @@ def test_session_resumes_across_a_restart(server_factory, default_model_dir, tin
     assert warm.choices[0].message.content == cold.choices[0].message.content
 
 
-async def test_client_disconnects_free_batch_slots_and_blocks(
-    default_model_dir: Path, tmp_path: Path
-) -> None:
-    config = SystemConfig(
-        engine=EngineConfig(model=str(default_model_dir), cache_budget_mb=512), cache_dir=tmp_path
-    )
+async def test_client_disconnects_free_batch_slots_and_blocks(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    # The tiny random-weight model: what is checked is the slots and blocks, not the words.
+    engine_config = EngineConfig(model=str(tiny_llama_dir), cache_budget_mb=512)
+    config = SystemConfig(engine=engine_config, cache_dir=tmp_path)
     app = create_app(config)
     async with TestServer(app, host="127.0.0.1") as test_server:
         engine = app[SYSTEM_KEY].engine

@@ -1,4 +1,6 @@
-"""Backpressure on a real server: 32 concurrent agents past the limits, and the request timeout."""
+"""Backpressure on a real server: 32 concurrent agents past the limits (on the tiny random-weight
+model: the words do not matter), and the request timeout (on the default model, whose long reply
+outlasts the timeout however fast the machine)."""
 
 from __future__ import annotations
 
@@ -13,17 +15,17 @@ from tests.waiting import wait_until
 
 
 async def test_32_concurrent_agents_past_the_limits_get_429s_and_health_answers(
-    server_factory, default_model_dir: Path
+    server_factory, tiny_llama_dir: Path
 ) -> None:  # type: ignore[no-untyped-def]
     server: ServerProcess = server_factory(
-        "--model", str(default_model_dir), "--max-batch-size", "4", "--max-queued", "4"
+        "--model", str(tiny_llama_dir), "--max-batch-size", "4", "--max-queued", "4"
     ).start()
-    anthropic_body = {
-        "model": "claude-local",
-        "max_tokens": 16,
-        "messages": [{"role": "user", "content": "Hi"}],
-    }
-    openai_body = {"model": "gpt-4o", "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]}
+    # Replies long enough (a tiny model's step is short) that the first eight are still in flight
+    # when the last of the 32 arrives.
+    max_tokens = 64
+    user = [{"role": "user", "content": "Hi"}]
+    anthropic_body = {"model": "claude-local", "max_tokens": max_tokens, "messages": user}
+    openai_body = {"model": "gpt-4o", "max_tokens": max_tokens, "messages": user}
     health: list[int] = []  # how fast it answers is measured in bench/, not here
     done = asyncio.Event()
 

@@ -2,8 +2,9 @@
 `server.stream_write_timeout_s` ends the request, cancels its turn and releases its admission slot,
 and the request's log line says why; a client that reads a long stream as it comes is not affected.
 
-A real server on loopback with one slot (one in the batch, none queued) and a short write deadline;
-the stalled client is a raw socket with a small receive buffer that reads the status line and then
+A real server on loopback with one slot (one in the batch, none queued) and a short write deadline,
+serving the tiny random-weight model (what is tested is the server's writing, not the words); the
+stalled client is a raw socket with a small receive buffer that reads the status line and then
 nothing more. Its chunks carry 20 alternatives per token, so the buffers between fill early.
 """
 
@@ -26,22 +27,27 @@ from tests.waiting import PATIENCE_S, wait_until
 WRITE_TIMEOUT_S = 2
 PROBE_INTERVAL_S = 0.5
 NUM_READ_TOKENS = 200  # each chunk carries 20 alternatives: more than STREAM_BUFFER_BYTES, twice
-EOS_TOKEN_IDS = (0, 2)  # SmolLM2's <|endoftext|> and <|im_end|>: biased away, so replies run long
+# The stalled reply: as long as the tiny model's context (4096) allows, many times what the buffers
+# between the server and the stalled client hold.
+NUM_STALLED_TOKENS = 4000
+# SmolLM2's <|endoftext|> and <|im_end|> (the tiny model has its tokenizer): biased away, so replies
+# run long.
+EOS_TOKEN_IDS = (0, 2)
 NO_END = {str(token): -100 for token in EOS_TOKEN_IDS}
 PROMPT = "Tell me a very long story about a lighthouse."
 
 
-def start_server(default_model_dir: Path, cache_dir: Path, *flags: str) -> ServerProcess:
+def start_server(model_dir: Path, cache_dir: Path, *flags: str) -> ServerProcess:
     one_slot = ("--max-batch-size", "1", "--max-queued", "0")
     return ServerProcess(
-        cache_dir, "--model", str(default_model_dir), "--heap-reserve-mb", "0", *one_slot, *flags
+        cache_dir, "--model", str(model_dir), "--heap-reserve-mb", "0", *one_slot, *flags
     ).start()
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     flags = ("--stream-write-timeout-s", str(WRITE_TIMEOUT_S))
-    process = start_server(default_model_dir, tmp_path_factory.mktemp("slow-readers"), *flags)
+    process = start_server(tiny_llama_dir, tmp_path_factory.mktemp("slow-readers"), *flags)
     yield process
     process.stop()
 
@@ -64,7 +70,7 @@ def stall(server: ServerProcess, request_id: str) -> socket.socket:
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     client.settimeout(PATIENCE_S)
     client.connect(("127.0.0.1", server.port))
-    body = json.dumps(long_stream_body(8000)).encode()
+    body = json.dumps(long_stream_body(NUM_STALLED_TOKENS)).encode()
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"X-Request-Id: {request_id}\r\nContent-Length: {len(body)}\r\n\r\n"

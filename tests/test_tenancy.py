@@ -1,5 +1,8 @@
 """Tenancy on a real server: one namespace of agents per API key, and prefix sharing scoped by
-namespace and by `cache_salt`; the keys file checked at start-up; salted hashes never collide."""
+namespace and by `cache_salt`; the keys file checked at start-up; salted hashes never collide.
+
+The servers run the tiny random-weight Llama: what is checked is whose agents, blocks and cached
+tokens a key reaches, not the words."""
 
 from __future__ import annotations
 
@@ -121,12 +124,12 @@ TERSE = {"system": long_system("You are terse")}
 
 @pytest.fixture(scope="module")
 def keyed_server(
-    default_model_dir: Path, tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+    tiny_llama_dir: Path, tiny_model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     base = tmp_path_factory.mktemp("tenancy")
     server = ServerProcess(
         base / "cache",
-        *server_args(default_model_dir, keys_file(base / "keys.toml")),
+        *server_args(tiny_llama_dir, keys_file(base / "keys.toml")),
         "--add-model",
         f"tiny={tiny_model_dirs['qwen2']}",
     ).start()
@@ -287,9 +290,9 @@ def test_metrics_show_every_namespace_so_only_admin_keys_read_them(keyed_server:
 
 
 def test_shared_prefix_blocks_when_the_operator_allows_and_namespaces_survive_a_restart(
-    default_model_dir: Path, tmp_path: Path
+    tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    args = server_args(default_model_dir, keys_file(tmp_path / "keys.toml", share_prefix_blocks=True))
+    args = server_args(tiny_llama_dir, keys_file(tmp_path / "keys.toml", share_prefix_blocks=True))
     server = ServerProcess(tmp_path / "cache", *args).start()
     try:
         system = long_system("Shared manual of the ferry service")
