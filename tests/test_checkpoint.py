@@ -1,6 +1,7 @@
 """Caches reach disk without a shutdown: a flush writes only what changed since each file, and a
 server that has been idle for `checkpoint_idle_s` writes on its own, so a kill -9 after it loses
-no cache."""
+no cache. The tiny random-weight Llama serves: what is tested is when caches are written, not what
+the model says."""
 
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ from tests.waiting import wait_until
 
 
 async def test_a_flush_writes_only_the_caches_that_changed_since_their_files(
-    default_model_dir: Path, tmp_path: Path
+    tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     config = SystemConfig(
-        engine=EngineConfig(model=str(default_model_dir), cache_budget_mb=256),
+        engine=EngineConfig(model=str(tiny_llama_dir), cache_budget_mb=256),
         cache_dir=tmp_path,
         checkpoint_idle_s=None,
     )
@@ -92,9 +93,9 @@ def chat(server: ServerProcess, messages: list[dict[str, str]], agent: str) -> d
 
 
 def test_a_server_killed_after_an_idle_checkpoint_resumes_its_agents_from_disk(
-    server_factory: type[ServerProcess], default_model_dir: Path, tmp_path: Path
+    server_factory: type[ServerProcess], tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    args = ("--model", str(default_model_dir), "--checkpoint-idle-s", "1", "--cache-budget-mb", "256")
+    args = ("--model", str(tiny_llama_dir), "--checkpoint-idle-s", "1", "--cache-budget-mb", "256")
     server = server_factory(*args).start()
     messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
     first = chat(server, messages, "painter")

@@ -22,9 +22,10 @@ def conversation_record(cache_dir: Path, agent_id: str) -> dict[str, Any] | None
 
 
 def test_an_acknowledged_turn_survives_kill_9_right_after_it(  # type: ignore[no-untyped-def]
-    server_factory, default_model_dir: Path
+    server_factory, tiny_llama_dir: Path
 ) -> None:
-    args = ("--model", str(default_model_dir), "--cache-budget-mb", "256")
+    # What is kept is the server's, not the model's: the tiny model's words do not matter here.
+    args = ("--model", str(tiny_llama_dir), "--cache-budget-mb", "256")
     server: ServerProcess = server_factory(*args).start()
     assert call(server, "POST", "/v1/agents", {"id": "keeper", "system": "You are terse."})[0] == 201
     for turn in range(2):  # a turn before the first kill, and one after a restart from it

@@ -3,6 +3,8 @@
 A full disk is a real one where the tests may mount a small tmpfs (as root), so the real safetensors
 runs out of space and raises its own error type; elsewhere those tests skip, and the ones that need
 no mount fake only the disk: safetensors' save raising what it raises on a full disk, or a slow one.
+The servers serve the tiny random-weight Llama, whose words do not matter here, with disks sized to
+its caches.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from tests.waiting import wait_until
 
 # What safetensors 0.8.0 raises when the disk fills up under its save_file.
 FULL_DISK_ERROR = "Error while serializing: I/O error: No space left on device (os error 28)"
-# ~400 tokens of prompt: its cache (~46 KB a token for the default model) is larger than the disk.
+# ~400 tokens of prompt: its cache is larger than the disk. The tiny Llama's KV is 2.25 KiB a token
+# (3 layers, keys and values, 6 heads of 16 float32s): ~0.9 MiB for this prompt, ~0.1 MiB a small's.
 LONG = "Remember these words: " + " ".join(f"word{i}" for i in range(100))
 SMALL_AGENTS = ("s1", "s2", "s3")
 
@@ -260,10 +263,10 @@ def test_a_file_being_written_is_counted_and_room_is_made_for_it_first(
 
 
 def test_sigterm_on_a_full_disk_writes_every_cache_that_fits_and_exits_0(
-    server_factory, default_model_dir: Path, tmp_path: Path, small_disk: Callable[[Path, int], Path]
+    server_factory, tiny_llama_dir: Path, tmp_path: Path, small_disk: Callable[[Path, int], Path]
 ) -> None:
-    agents_root = small_disk(tmp_path / "cache" / "agents", 10 * 1024)  # the smalls' ~6 MB, not big's 18
-    args = ("--model", str(default_model_dir), "--checkpoint-idle-s", "0", "--cache-budget-mb", "256")
+    agents_root = small_disk(tmp_path / "cache" / "agents", 512)  # the smalls' caches, not big's
+    args = ("--model", str(tiny_llama_dir), "--checkpoint-idle-s", "0", "--cache-budget-mb", "256")
     server = server_factory(*args).start()
     make_big_and_small_agents(server)
     assert server.stop() == 0
@@ -275,10 +278,10 @@ def test_sigterm_on_a_full_disk_writes_every_cache_that_fits_and_exits_0(
 
 
 def test_an_idle_checkpoint_goes_past_a_cache_the_disk_cannot_take(
-    server_factory, default_model_dir: Path, tmp_path: Path, small_disk: Callable[[Path, int], Path]
+    server_factory, tiny_llama_dir: Path, tmp_path: Path, small_disk: Callable[[Path, int], Path]
 ) -> None:
-    agents_root = small_disk(tmp_path / "cache" / "agents", 10 * 1024)
-    args = ("--model", str(default_model_dir), "--checkpoint-idle-s", "1", "--cache-budget-mb", "256")
+    agents_root = small_disk(tmp_path / "cache" / "agents", 512)
+    args = ("--model", str(tiny_llama_dir), "--checkpoint-idle-s", "1", "--cache-budget-mb", "256")
     server = server_factory(*args).start()
     make_big_and_small_agents(server)
     wait_until(lambda: cache_files(agents_root) == set(SMALL_AGENTS), "a checkpoint wrote every small cache")
@@ -291,10 +294,10 @@ def test_an_idle_checkpoint_goes_past_a_cache_the_disk_cannot_take(
 
 
 def test_evict_on_a_full_disk_answers_507_and_keeps_the_cache_for_the_next_turn(
-    server_factory, default_model_dir: Path, tmp_path: Path, small_disk: Callable[[Path, int], Path]
+    server_factory, tiny_llama_dir: Path, tmp_path: Path, small_disk: Callable[[Path, int], Path]
 ) -> None:
-    agents_root = small_disk(tmp_path / "cache" / "agents", 1024)  # conversations fit, the cache not
-    args = ("--model", str(default_model_dir), "--checkpoint-idle-s", "0", "--cache-budget-mb", "256")
+    agents_root = small_disk(tmp_path / "cache" / "agents", 64)  # conversations fit, the cache not
+    args = ("--model", str(tiny_llama_dir), "--checkpoint-idle-s", "0", "--cache-budget-mb", "256")
     server = server_factory(*args).start()
     assert call(server, "POST", "/v1/agents", {"id": "ada", "system": "You are terse."})[0] == 201
     options = {"max_tokens": 4, "temperature": 0}

@@ -1,7 +1,9 @@
 """Archives a hostile sender crafts from a real agent's export: members that would expand on disk
 (sparse, links, devices, sizes beyond the archive) refused before a byte is written, and cache
 tensors of another dtype or shape, with every checksum recomputed, refused by `agents import`,
-reported by `agents verify` and quarantined at load, so the agent starts cold and others are served."""
+reported by `agents verify` and quarantined at load, so the agent starts cold and others are served.
+The agent is the tiny random-weight Llama's (3 layers, 6 KV heads of 16): what is tested is what the
+server reads, not what the model says."""
 
 from __future__ import annotations
 
@@ -33,10 +35,10 @@ CONVERSATION = f"{AGENT}.conversation.json"
 
 
 @pytest.fixture(scope="module")
-def exported(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An archive of an agent with one real turn on the default model."""
+def exported(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An archive of an agent with one real turn on the tiny Llama."""
     source = tmp_path_factory.mktemp("source")
-    server = ServerProcess(source, "--model", str(default_model_dir)).start()
+    server = ServerProcess(source, "--model", str(tiny_llama_dir)).start()
     try:
         call(server, "POST", "/v1/agents", {"id": AGENT, "system": "Be brief."})
         call(server, "POST", f"/v1/agents/{AGENT}/messages", {"content": "Hi", "max_tokens": 4})
@@ -203,11 +205,11 @@ def fewer_heads(tensors: dict[str, np.ndarray]) -> None:
 
 
 def narrower_heads(tensors: dict[str, np.ndarray]) -> None:
-    tensors["attn.3.values"] = tensors["attn.3.values"][..., :16]
+    tensors["attn.1.values"] = tensors["attn.1.values"][..., :8]
 
 
 def more_tokens(tensors: dict[str, np.ndarray]) -> None:
-    tensors["attn.4.keys"] = np.concatenate([tensors["attn.4.keys"]] * 300, axis=2)
+    tensors["attn.2.keys"] = np.concatenate([tensors["attn.2.keys"]] * 300, axis=2)
 
 
 def tokens_as_int64(tensors: dict[str, np.ndarray]) -> None:
@@ -222,8 +224,8 @@ CRAFTED = [
     (as_uint8, "attn.0.keys: elements of uint8"),
     (second_batch_row, "attn.2.values: axis 0 (batch rows) holds 2"),
     (fewer_heads, "attn.1.keys: axis 1 (KV heads) holds 1"),
-    (narrower_heads, "attn.3.values: axis 3 (value width) holds 16"),
-    (more_tokens, "attn.4.keys: axis 2 (tokens) holds"),
+    (narrower_heads, "attn.1.values: axis 3 (value width) holds 8"),
+    (more_tokens, "attn.2.keys: axis 2 (tokens) holds"),
     (tokens_as_int64, "tokens: elements of int64"),
     (an_extra_tensor, "attn.999.keys is not a tensor of this model's cache"),
 ]
@@ -285,14 +287,14 @@ def test_a_cache_of_another_shape_or_dtype_is_refused_reported_and_quarantined(
 
 @pytest.mark.parametrize("alter", [as_uint8, second_batch_row], ids=lambda alter: alter.__name__)
 def test_a_crafted_cache_on_disk_starts_its_agent_cold_and_others_are_served(
-    alter: Callable[[dict[str, np.ndarray]], None], default_model_dir: Path, exported: Path, tmp_path: Path
+    alter: Callable[[dict[str, np.ndarray]], None], tiny_llama_dir: Path, exported: Path, tmp_path: Path
 ) -> None:
     members = members_of(exported)
     ident = identity_in(members[CACHE], tmp_path)
     crafted = {**members, CACHE: altered(members[CACHE], tmp_path, alter)}
     placed(tmp_path / "cache", crafted, ident.fingerprint)
 
-    server = ServerProcess(tmp_path / "cache", "--model", str(default_model_dir)).start()
+    server = ServerProcess(tmp_path / "cache", "--model", str(tiny_llama_dir)).start()
     try:
         call(server, "POST", "/v1/agents", {"id": "bystander"})
         turn = {"content": "Go on", "max_tokens": 3, "temperature": 0}

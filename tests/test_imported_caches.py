@@ -1,6 +1,8 @@
 """An imported agent's cache is another person's data: its blocks, and every block computed on top of
 them, serve only that agent. A sender who altered its KV (checksums recomputed) cannot change what
-any other request answers, and the mark stays with the agent's cache file across saves."""
+any other request answers, and the mark stays with the agent's cache file across saves. The engine
+serves the tiny random-weight Llama: what is tested is which blocks serve whom, and the replies are
+compared with the same model's own."""
 
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ MAX_TOKENS = 8
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def engine(default_model_dir: Path) -> AsyncIterator[Engine]:
-    engine = Engine(EngineConfig(model=str(default_model_dir), cache_budget_mb=128, block_size=16))
+async def engine(tiny_llama_dir: Path) -> AsyncIterator[Engine]:
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), cache_budget_mb=128, block_size=16))
     await engine.start()
     yield engine
     await engine.stop()
@@ -70,15 +72,13 @@ def altered(cache: SerializedCache, agent_id: str) -> SerializedCache:
     return SerializedCache(agent_id, tensors, cache.kv_starts, cache.num_tokens, cache.state_points)
 
 
-async def reload(engine: Engine, default_model_dir: Path) -> None:
+async def reload(engine: Engine, model_dir: Path) -> None:
     """A fresh pool: nothing of the sender's turn is left in it."""
     await engine.ask(UnloadModel())
-    await engine.ask(LoadModel(str(default_model_dir)))
+    await engine.ask(LoadModel(str(model_dir)))
 
 
-async def imported_cache(
-    engine: Engine, default_model_dir: Path, tmp_path: Path
-) -> tuple[SerializedCache, Path]:
+async def imported_cache(engine: Engine, model_dir: Path, tmp_path: Path) -> tuple[SerializedCache, Path]:
     """A sender's turn, its KV altered and its checksums recomputed, exported and imported here; the
     cache as the server reads it, and its file."""
     prompt = first_turn(engine)
@@ -91,17 +91,17 @@ async def imported_cache(
     archive = tmp_path / "mallory.tar"
     export_archive(AgentFiles(AgentId("mallory"), sender_folder, has_cache=True), archive)
     _, folder = import_archive(archive, tmp_path / "receiver")
-    await reload(engine, default_model_dir)
+    await reload(engine, model_dir)
     path = folder / "mallory.safetensors"
     return read_cache_file(path, identity_of(engine.model), "mallory"), path
 
 
 async def test_an_imported_agent_s_altered_blocks_serve_no_other_request(
-    engine: Engine, default_model_dir: Path, tmp_path: Path
+    engine: Engine, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     prompt = first_turn(engine)
     reference = await engine.ask(ReferenceGenerate(prompt, MAX_TOKENS))
-    cache, _ = await imported_cache(engine, default_model_dir, tmp_path)
+    cache, _ = await imported_cache(engine, tiny_llama_dir, tmp_path)
 
     assert await engine.ask(RestoreCache(cache, engine.model.fingerprint))
     _, num_cached_imported = await turn(engine, prompt, "mallory")
@@ -115,9 +115,9 @@ async def test_an_imported_agent_s_altered_blocks_serve_no_other_request(
 
 
 async def test_the_imported_mark_stays_with_the_agent_s_cache_across_saves(
-    engine: Engine, default_model_dir: Path, tmp_path: Path
+    engine: Engine, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
-    cache, path = await imported_cache(engine, default_model_dir, tmp_path)
+    cache, path = await imported_cache(engine, tiny_llama_dir, tmp_path)
     assert read_metadata(path).get("origin") == "imported"
 
     assert await engine.ask(RestoreCache(cache, engine.model.fingerprint))
@@ -128,7 +128,7 @@ async def test_the_imported_mark_stays_with_the_agent_s_cache_across_saves(
     write_cache_file(path, saved, identity_of(engine.model))
     assert read_metadata(path).get("origin") == "imported"
 
-    await reload(engine, default_model_dir)  # a restart
+    await reload(engine, tiny_llama_dir)  # a restart
     assert await engine.ask(
         RestoreCache(read_cache_file(path, identity_of(engine.model)), engine.model.fingerprint)
     )

@@ -12,10 +12,12 @@ from tests.agent_api_client import call, cold_continuation, conversation_tokens
 from tests.waiting import wait_until
 
 GREEDY = {"max_tokens": 10, "temperature": 0}
+# For the requests of which only the status and the model that answered are read.
+BRIEF = {"max_tokens": 2, "temperature": 0}
 
 
 def chat(server, model: str, content: str) -> tuple[int, dict]:  # type: ignore[no-untyped-def, type-arg]
-    body = {"model": model, "messages": [{"role": "user", "content": content}], **GREEDY}
+    body = {"model": model, "messages": [{"role": "user", "content": content}], **BRIEF}
     return call(server, "POST", "/v1/chat/completions", body)  # type: ignore[no-any-return]
 
 
@@ -70,7 +72,7 @@ def test_swap_and_back_resumes_agents_from_disk_token_exactly(  # type: ignore[n
         server,
         "POST",
         "/v1/messages",
-        {"model": "claude-haiku-4-5", "messages": [{"role": "user", "content": "hi"}], **GREEDY},
+        {"model": "claude-haiku-4-5", "messages": [{"role": "user", "content": "hi"}], **BRIEF},
     )
     assert status == 200 and reply["model"] == "tiny", reply
     status, reply = chat(server, "claude-sonnet-4-5", "hello")

@@ -1,4 +1,7 @@
-"""Operations against a real server: configuration, health, metrics, logs, API keys, bounds, OpenAPI."""
+"""Operations against a real server: configuration, health, metrics, logs, API keys, bounds, OpenAPI.
+
+The server serves the tiny random-weight Llama: what is tested is what the server does around the
+model, not what the model says."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from subprocess import PIPE
 from typing import Any
 
 import anthropic
@@ -82,35 +86,26 @@ def test_semantic_config_prints_sources_and_masks_secrets_and_serve_refuses_bad_
     tmp_path: Path,
 ) -> None:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SEMANTIC_LIMITS_MAX_TOOLS": "7"}
-    command = [sys.executable, "-m", "semantic.cli", "config", "--api-key", "s3cret", "--port", "8123"]
-    shown = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
+
+    def semantic(*args: str) -> subprocess.Popen[str]:
+        command = [sys.executable, "-m", "semantic.cli", *args]
+        return subprocess.Popen(command, cwd=tmp_path, env=env, stdout=PIPE, stderr=PIPE, text=True)
+
+    # Four commands, each in its own process: started together, as none depends on another.
+    config = semantic("config", "--api-key", "s3cret", "--port", "8123")
+    bad = semantic("serve", "--max-batch-size", "0")
+    remote = semantic("serve", "--host", "0.0.0.0", "--allow-remote")
+    local_only = semantic("serve", "--host", "0.0.0.0", "--api-key", "k")
+    (shown, _), (_, bad_err), (_, remote_err), (_, local_only_err) = (
+        process.communicate(timeout=300) for process in (config, bad, remote, local_only)
+    )
+    assert config.returncode == 0
     assert "server.port = 8123  # command line" in shown
     assert "limits.max_tools = 7  # environment SEMANTIC_LIMITS_MAX_TOOLS" in shown
     assert "'****'" in shown and "s3cret" not in shown
-    bad = subprocess.run(
-        [sys.executable, "-m", "semantic.cli", "serve", "--max-batch-size", "0"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode == 2 and "engine.max_batch_size = '0' (from command line)" in bad.stderr
-    remote = subprocess.run(
-        [sys.executable, "-m", "semantic.cli", "serve", "--host", "0.0.0.0", "--allow-remote"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert remote.returncode != 0 and "without an API key" in remote.stderr
-    local_only = subprocess.run(
-        [sys.executable, "-m", "semantic.cli", "serve", "--host", "0.0.0.0", "--api-key", "k"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert local_only.returncode != 0 and "--allow-remote" in local_only.stderr
+    assert bad.returncode == 2 and "engine.max_batch_size = '0' (from command line)" in bad_err
+    assert remote.returncode != 0 and "without an API key" in remote_err
+    assert local_only.returncode != 0 and "--allow-remote" in local_only_err
 
 
 @given(
@@ -134,11 +129,11 @@ def test_token_bucket_never_grants_more_than_burst_plus_refill(
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     process = ServerProcess(
         tmp_path_factory.mktemp("ops"),
         "--model",
-        str(default_model_dir),
+        str(tiny_llama_dir),
         "--api-key",
         KEY,
         "--log-format",

@@ -1,4 +1,7 @@
-"""Graceful shutdown on a real server process, and a disk that fills up during a flush."""
+"""Graceful shutdown on a real server process, and a disk that fills up during a flush.
+
+The servers serve the tiny random-weight Llama: what is tested is what the server does around the
+model (draining, flushing, cancelling, exiting), where the words do not matter."""
 
 from __future__ import annotations
 
@@ -17,10 +20,14 @@ import pytest
 from semantic.storage import cache_file
 from semantic.storage.cache_file import SerializedCache, read_cache_file
 from semantic.storage.persistence import PersistenceActor
+from tests.agent_api_client import call
 from tests.server_process import ServerProcess
 from tests.test_cache_file import IDENTITY, a_cache
 
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+# Long enough that the stream is still decoding when the late request comes, at a tiny model's steps
+# of milliseconds.
+DRAINED_TOKENS = 400
 
 
 def chat_request(server: ServerProcess, body: dict[str, Any], session: str) -> urllib.request.Request:
@@ -65,10 +72,10 @@ def stream_in_thread(
 
 
 def test_sigterm_during_a_stream_finishes_it_flushes_and_the_restart_resumes(
-    server_factory, default_model_dir: Path, tmp_path: Path
+    server_factory, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    server = server_factory("--model", str(default_model_dir), "--temperature", "0").start()
-    thread, result = stream_in_thread(server, "keeper", max_tokens=40)
+    server = server_factory("--model", str(tiny_llama_dir), "--temperature", "0").start()
+    thread, result = stream_in_thread(server, "keeper", max_tokens=DRAINED_TOKENS)
     assert result["first"].wait(60)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
@@ -78,22 +85,30 @@ def test_sigterm_during_a_stream_finishes_it_flushes_and_the_restart_resumes(
     thread.join(120)
     assert server.proc.wait(60) == 0
     chunks = result["chunks"]
-    assert not result["errors"] and chunks[-1]["usage"]["completion_tokens"] == 40  # finished, not cut
+    finished = chunks[-1]["usage"]
+    assert not result["errors"] and finished["completion_tokens"] == DRAINED_TOKENS  # finished, not cut
     reply = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert "flushed 1 agent caches to disk" in server.log()
     assert list((tmp_path / "cache" / "agents").glob("*/keeper.safetensors"))
 
-    restarted = server_factory("--model", str(default_model_dir), "--temperature", "0").start()
+    restarted = server_factory("--model", str(tiny_llama_dir), "--temperature", "0").start()
+    # The flushed file holds the whole finished stream: its prompt and every token it sent (all but an
+    # unfed final token).
+    status, kept = call(restarted, "GET", "/v1/agents/keeper")
+    assert status == 200 and kept["tier"] == "disk", kept
+    assert kept["cached_tokens"] >= finished["prompt_tokens"] + DRAINED_TOKENS - 1
+    # The next turn resumes from that file (a fresh server holds nothing else). A random model's reply,
+    # sent back as text, need not tokenize as it was generated, so only its prompt is sure to match.
     follow_up = [*STORY, {"role": "assistant", "content": reply}, {"role": "user", "content": "Go on."}]
     status, _, body = post(restarted, {"messages": follow_up, "max_tokens": 4}, "keeper")
     usage = json.loads(body)["usage"]
-    assert status == 200 and usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 20
+    assert status == 200 and usage["prompt_tokens_details"]["cached_tokens"] >= finished["prompt_tokens"]
 
 
 def test_shutdown_timeout_cancels_what_is_left_and_a_second_signal_exits_at_once(
-    server_factory, default_model_dir: Path
+    server_factory, tiny_llama_dir: Path
 ) -> None:  # type: ignore[no-untyped-def]
-    server = server_factory("--model", str(default_model_dir), "--shutdown-timeout-s", "0.5").start()
+    server = server_factory("--model", str(tiny_llama_dir), "--shutdown-timeout-s", "0.5").start()
     thread, result = stream_in_thread(server, "long", max_tokens=2000)
     assert result["first"].wait(60)
     server.proc.send_signal(signal.SIGTERM)
@@ -102,7 +117,7 @@ def test_shutdown_timeout_cancels_what_is_left_and_a_second_signal_exits_at_once
     errors = [c["error"] for c in result["chunks"] if "error" in c]
     assert errors and "shutting down" in errors[0]["message"]
 
-    again = server_factory("--model", str(default_model_dir)).start()
+    again = server_factory("--model", str(tiny_llama_dir)).start()
     thread, result = stream_in_thread(again, "twice", max_tokens=2000)
     assert result["first"].wait(60)
     again.proc.send_signal(signal.SIGTERM)

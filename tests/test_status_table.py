@@ -1,7 +1,7 @@
 """The same condition gets the same status on all three APIs, each in its own error shape.
 
-One real server (the default model, one batch slot and no queue) and, per condition, one request
-to the Anthropic, OpenAI and direct agent APIs.
+One real server (the tiny random-weight Llama, whose words do not matter here, one batch slot and no
+queue) and, per condition, one request to the Anthropic, OpenAI and direct agent APIs.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def wait_until_idle(server: ServerProcess) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("status-table")
     broken = tmp / "broken-model"
     broken.mkdir()
@@ -96,7 +96,7 @@ def server(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     process = ServerProcess(
         tmp / "cache",
         "--model",
-        str(default_model_dir),
+        str(tiny_llama_dir),
         "--add-model",
         f"broken={broken}",
         "--max-batch-size",
@@ -233,7 +233,8 @@ def test_a_prompt_past_the_context_says_prompt_is_too_long(server: ServerProcess
     status, _, reply = post(server, path, body)
     message = message_of("anthropic", reply)
     assert status == 400 and message.startswith("prompt is too long: "), reply
-    assert message.endswith(" tokens > 8192 maximum") and int(message.split()[4]) > 8192
+    # The tiny Llama's context: its max_position_embeddings.
+    assert message.endswith(" tokens > 4096 maximum") and int(message.split()[4]) > 4096
 
 
 class _WriteFailed(OSError):

@@ -4,6 +4,9 @@ Claude Code (2.1.x, read from its bundle and its requests) sends `X-Claude-Code-
 every request of a session; a Task sub-agent's requests add `x-claude-code-agent-id` (`a` and 16
 hex digits), and side requests such as the session title come with the session id alone and a
 system prompt of their own.
+
+The server serves the tiny random-weight Llama: what is tested is which agent each request is and
+what its cache holds, not what the model says.
 """
 
 from __future__ import annotations
@@ -48,9 +51,9 @@ def claude_headers(session: str, sub_agent: str | None = None) -> dict[str, str]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Iterator[ServerProcess]:
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Iterator[ServerProcess]:
     process = ServerProcess(
-        tmp_path_factory.mktemp("cache"), "--model", str(default_model_dir), "--temperature", "0"
+        tmp_path_factory.mktemp("cache"), "--model", str(tiny_llama_dir), "--temperature", "0"
     ).start()
     yield process
     process.stop()
@@ -136,7 +139,9 @@ def test_two_agents_of_one_session_decode_together(server: ServerProcess) -> Non
         )
         story = [{"role": "user", "content": "Write a long story about a dragon who learns to code."}]
         arrivals: list[tuple[str, str]] = []
-        main_stream = client.messages.stream(model="claude-opus-4-8", messages=story, max_tokens=48)  # type: ignore[arg-type]
+        # Long enough, at the tiny model's steps of milliseconds, to be decoding all through the
+        # sub-agent's short turn.
+        main_stream = client.messages.stream(model="claude-opus-4-8", messages=story, max_tokens=400)  # type: ignore[arg-type]
         main = asyncio.create_task(read_events(main_stream, "main", arrivals))
         while ("main", "content_block_delta") not in arrivals:  # the main agent is decoding
             await asyncio.sleep(0.02)
@@ -160,7 +165,7 @@ def test_two_agents_of_one_session_decode_together(server: ServerProcess) -> Non
 def test_a_client_that_leaves_is_logged_with_what_was_generated(server: ServerProcess) -> None:
     body = {
         "model": "claude-opus-4-8",
-        "max_tokens": 200,
+        "max_tokens": 2000,  # still decoding, at the tiny model's steps, when the client leaves
         "stream": True,
         "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
     }
