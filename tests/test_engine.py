@@ -1,4 +1,5 @@
-"""The engine on the real default model: batching oracle, cancellation, sampling, limits."""
+"""The engine on the real default model: batching oracle, cancellation, sampling, limits; a tiny
+model's engine, stopped, refusing asks and submissions."""
 
 from __future__ import annotations
 
@@ -338,8 +339,9 @@ async def test_requests_without_an_agent_id_get_ids_no_client_can_send(engine: E
     assert not is_anonymous("anon-3")  # a client's id, flushed and persisted like any other
 
 
-async def test_asks_and_submissions_fail_once_the_engine_stopped(default_model_dir: Path) -> None:
-    engine = Engine(EngineConfig(model=str(default_model_dir), cache_budget_mb=64))
+async def test_asks_and_submissions_fail_once_the_engine_stopped(tiny_llama_dir: Path) -> None:
+    # An engine of its own, to stop: what is under test is the stopped engine, not its model.
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), cache_budget_mb=64))
     await engine.start()
     assert await engine.ask(ListCaches()) == []
     prompt = chat(engine, "Hi")

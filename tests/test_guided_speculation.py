@@ -29,7 +29,10 @@ PROMPT = f"Repeat this code exactly:\n{CODE}"
 FOLLOWED = 'start: NAME "(x, y):"\nNAME: /[a-z_0-9]+/\n'
 FORCED = 'start: NAME "(a, b):"\nNAME: /[a-z_0-9]+/\n'
 GRAMMARS = [FOLLOWED, FORCED, None]
-MAX_TOKENS = 48
+# Room for two calls in each guided reply, closed then opened again with drafts running across
+# both, and for the reply to end in free text between the second call and a third (a reply cut
+# inside a call would not be complete).
+MAX_TOKENS = 32
 
 
 def _replies(model_dir: Path, speculate: str) -> tuple[list[Finished], list[str]]:
@@ -92,7 +95,7 @@ def test_guided_greedy_replies_draft_and_equal_without_drafts(default_model_dir:
     drafted, texts = _replies(default_model_dir, "ngram")
     assert [f.generated_token_ids for f in drafted] == [f.generated_token_ids for f in plain]
     followed, forced, _ = drafted
-    assert "(x, y):" in texts[0] and "(a, b):" in texts[1], texts
+    assert texts[0].count("(x, y):") >= 2 and texts[1].count("(a, b):") >= 2, texts  # two calls each
     for guided in (followed, forced):
         assert guided.num_drafted_tokens > 0, "a guided row drafted nothing"
         assert 0 < guided.num_accepted_tokens <= guided.num_drafted_tokens

@@ -13,7 +13,7 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -224,23 +224,36 @@ def reply_tokens(choice: Any) -> list[str]:
     return [token.token for token in choice.logprobs.content]  # the reply's tokens, as text
 
 
-@pytest.fixture(scope="module", params=["qwen3_coder", "glm47"])
+@pytest.fixture(scope="module")
 def copying(
-    request: pytest.FixtureRequest, default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, ServerProcess]]:
-    key = request.param
-    model = template_model(default_model_dir, key, tmp_path_factory.mktemp(f"{key}-model"))
-    for server in _server(tmp_path_factory.mktemp(key), model):
-        yield key, server
+    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[str], ServerProcess]]:
+    """The default model with a family's chat template behind a server, started when a test first
+    asks for that family and shared by the module's tests of it (greedy, on prompts of their own:
+    each leaves it as it found it)."""
+    servers: dict[str, ServerProcess] = {}
+
+    def server_for(key: str) -> ServerProcess:
+        if key not in servers:
+            model = template_model(default_model_dir, key, tmp_path_factory.mktemp(f"{key}-model"))
+            servers[key] = ServerProcess(
+                tmp_path_factory.mktemp(key), "--model", str(model), "--cache-budget-mb", "256"
+            ).start()
+        return servers[key]
+
+    yield server_for
+    for server in servers.values():
+        server.stop()
 
 
+@pytest.mark.parametrize("key", ["qwen3_coder", "glm47"])
 def test_a_strict_tool_in_an_xml_format_is_enforced_and_changes_no_valid_call(
-    copying: tuple[str, ServerProcess],
+    key: str, copying: Callable[[str], ServerProcess]
 ) -> None:
     """A strict tool was a 400 in these formats. Greedy, the reply that already was a valid call
     (the reference: the same prompt, tool_choice none, no grammar) is token for token the same
     under the strict tool's grammar; one that was not is held to the schema."""
-    key, server = copying
+    server = copying(key)
     messages = copied_call_messages(key)
     options: dict[str, Any] = {"temperature": 0.0, "max_tokens": 72, "logprobs": True}
     exact = weather_tool({"city": {"type": "string"}, "days": {"type": "integer"}}, strict=True)
@@ -262,27 +275,26 @@ def test_a_strict_tool_in_an_xml_format_is_enforced_and_changes_no_valid_call(
 
 
 def test_a_qwen3_coder_call_without_its_opener_is_guided_and_comes_back_as_a_call(
-    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    copying: Callable[[str], ServerProcess],
 ) -> None:
     """Qwen3-Coder's known failure (Ollama 16686, 18530): `<function=...>` written without the
     `<tool_call>` around it. The model copies such calls, which never name `days`; the guided
     grammar, triggered by the bare opening, completes the call to its schema."""
-    model = template_model(default_model_dir, "qwen3_coder", tmp_path_factory.mktemp("bare-model"))
+    server = copying("qwen3_coder")
     bare = copied_call_messages("qwen3_coder", bare=True)
     for message in bare[1::2]:
         message["content"] = message["content"].replace("<parameter=days>\n3\n</parameter>\n", "")
     tool = weather_tool({"city": {"type": "string"}, "days": DAYS}, strict=False)
-    for server in _server(tmp_path_factory.mktemp("bare"), model):
-        reference = chat(server, bare, tools=[tool], tool_choice="none", temperature=0.0, max_tokens=60)
-        assert reference.message.content.startswith("<function=get_weather>"), reference.message
-        assert "<parameter=days>" not in reference.message.content
-        choice = chat(server, bare, tools=[tool], temperature=0.0, max_tokens=80)
-        assert choice.finish_reason == "tool_calls", choice.message
-        assert not choice.message.content or "<function=" not in choice.message.content
-        (call,) = choice.message.tool_calls or []
-        arguments = json.loads(call.function.arguments)
-        jsonschema.validate(arguments, tool["function"]["parameters"])
-        assert call.function.name == "get_weather" and arguments["city"] == ANSWER_FOR
+    reference = chat(server, bare, tools=[tool], tool_choice="none", temperature=0.0, max_tokens=60)
+    assert reference.message.content.startswith("<function=get_weather>"), reference.message
+    assert "<parameter=days>" not in reference.message.content
+    choice = chat(server, bare, tools=[tool], temperature=0.0, max_tokens=80)
+    assert choice.finish_reason == "tool_calls", choice.message
+    assert not choice.message.content or "<function=" not in choice.message.content
+    (call,) = choice.message.tool_calls or []
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, tool["function"]["parameters"])
+    assert call.function.name == "get_weather" and arguments["city"] == ANSWER_FOR
 
 
 # Each family's call tags as a random model's added tokens, special where its real models' are.

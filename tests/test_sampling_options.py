@@ -3,7 +3,9 @@ through the OpenAI SDK: checked against mlx-lm's own generation, logits processo
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import openai
@@ -12,6 +14,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import make_sampler as mlx_lm_sampler
+from mlx_lm.utils import load_tokenizer
 
 from semantic import SamplingParams
 from semantic.engine.decoding.sampling import make_sampler
@@ -36,16 +39,23 @@ def ask(client: openai.OpenAI, **options: object) -> str:
     return str(reply.choices[0].message.content)
 
 
+def ask_all(client: openai.OpenAI, option_sets: list[dict[str, Any]]) -> list[str]:
+    """Each set of options asked at once: the replies decode as one batch, each row with its own."""
+    with ThreadPoolExecutor(len(option_sets)) as pool:
+        return list(pool.map(lambda options: ask(client, **options), option_sets))
+
+
 def test_penalties_give_mlx_lm_s_greedy_reply(server, default_model_dir: Path) -> None:  # type: ignore[no-untyped-def]
     client = client_for(server)
     model, tokenizer = load(str(default_model_dir))
     prompt = mx.array(tokenizer.apply_chat_template(DAYS, add_generation_prompt=True))
-    plain = ask(client)
-    for options in (
+    option_sets: list[dict[str, Any]] = [
         {"frequency_penalty": 1.5},
         {"presence_penalty": -2.0},
         {"extra_body": {"repetition_penalty": 1.5}},
-    ):
+    ]
+    plain, *replies = ask_all(client, [{}, *option_sets])
+    for options, penalised in zip(option_sets, replies, strict=True):
         penalties = {
             k: v for k, v in {**options, **options.get("extra_body", {})}.items() if k != "extra_body"
         }
@@ -54,14 +64,13 @@ def test_penalties_give_mlx_lm_s_greedy_reply(server, default_model_dir: Path) -
             generate_step(prompt, model, logits_processors=processors), range(NUM_TOKENS), strict=False
         )
         expected = tokenizer.decode([int(token) for (token, _), _ in steps])
-        penalised = ask(client, **options)
         assert penalised == expected, options
         assert penalised != plain, options  # the penalty changed the reply
 
 
 def test_logit_bias_moves_and_forces_greedy_choices(server, default_model_dir: Path) -> None:  # type: ignore[no-untyped-def]
     client = client_for(server)
-    _, tokenizer = load(str(default_model_dir))
+    tokenizer = load_tokenizer(default_model_dir)
     reply = client.chat.completions.create(
         model="gpt-4o", messages=DAYS, temperature=0, max_tokens=1, logprobs=True, top_logprobs=2
     )
@@ -76,9 +85,9 @@ def test_logit_bias_moves_and_forces_greedy_choices(server, default_model_dir: P
 
 def test_min_p_of_one_samples_the_greedy_reply(server) -> None:  # type: ignore[no-untyped-def]
     client = client_for(server)
-    greedy = ask(client)
-    for seed in (1, 2):
-        assert ask(client, temperature=1.0, seed=seed, extra_body={"min_p": 1.0}) == greedy
+    sampled = [{"temperature": 1.0, "seed": seed, "extra_body": {"min_p": 1.0}} for seed in (1, 2)]
+    greedy, *replies = ask_all(client, [{}, *sampled])
+    assert replies == [greedy] * len(sampled)
 
 
 @pytest.mark.parametrize(
@@ -127,8 +136,9 @@ def test_xtc_changes_a_seeded_reply_and_repeats(server) -> None:  # type: ignore
     client = client_for(server)
     seeded = {"temperature": 1.0, "seed": 5}
     xtc = {**seeded, "extra_body": {"xtc_probability": 1.0, "xtc_threshold": 0.0}}  # all but the least likely
-    assert ask(client, **xtc) == ask(client, **xtc)  # one seed, one draw of each step's XTC coin
-    assert ask(client, **xtc) != ask(client, **seeded)
+    dropped = ask(client, **xtc)
+    assert ask(client, **xtc) == dropped  # one seed, one draw of each step's XTC coin
+    assert dropped != ask(client, **seeded)
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,11 @@ class FlatCosts(StepCosts):
         return 0.05
 
 
-def _replies(model_dir: Path, speculate: str, max_tokens: int = 48) -> list[Finished]:
+# Long enough that, drafted from the replies' history, drafts are offered, kept and refused.
+MAX_TOKENS = 32
+
+
+def _replies(model_dir: Path, speculate: str, max_tokens: int = MAX_TOKENS) -> list[Finished]:
     return _turns(model_dir, speculate, max_tokens)[0]
 
 
@@ -98,13 +102,22 @@ def _turns(model_dir: Path, speculate: str, max_tokens: int) -> tuple[list[Finis
         loop.close()
 
 
-@pytest.fixture(scope="module")
-def plain_replies(default_model_dir: Path) -> list[Finished]:
+def _plain_replies(model_dir: Path) -> list[Finished]:
     if mx.default_device() != mx.cpu:
         pytest.skip("compares against the CPU's own replies")
-    replies = _replies(default_model_dir, "off")
+    replies = _replies(model_dir, "off")
     assert all(f.num_drafted_tokens == 0 for f in replies)
     return replies
+
+
+@pytest.fixture(scope="module")
+def plain_replies(default_model_dir: Path) -> list[Finished]:
+    return _plain_replies(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_plain_replies(tiny_llama_dir: Path) -> list[Finished]:
+    return _plain_replies(tiny_llama_dir)
 
 
 def test_greedy_replies_equal_without_drafts(default_model_dir: Path, plain_replies: list[Finished]) -> None:
@@ -132,15 +145,17 @@ def test_drafts_that_reach_the_token_limit_leave_the_agent_s_cache_as_without_dr
 
 
 def test_greedy_replies_with_a_draft_model_equal_without_drafts(
-    default_model_dir: Path, plain_replies: list[Finished]
+    tiny_llama_dir: Path, tiny_plain_replies: list[Finished]
 ) -> None:
-    """The default model drafting for itself: every reply as without drafts, and (its greedy drafts
-    being the main model's own choices, up to batching's rounding) nearly every draft kept."""
-    drafted = _replies(default_model_dir, str(default_model_dir))
-    assert [f.generated_token_ids for f in drafted] == [f.generated_token_ids for f in plain_replies]
+    """A model drafting for itself: every reply as without drafts, and (its greedy drafts being the
+    main model's own choices, up to batching's rounding) nearly every draft kept. The tiny random
+    Llama: what is checked is the drafting and verifying, not the words, and its steps are cheap
+    for main model and draft model alike."""
+    drafted = _replies(tiny_llama_dir, str(tiny_llama_dir))
+    assert [f.generated_token_ids for f in drafted] == [f.generated_token_ids for f in tiny_plain_replies]
     num_drafted = sum(f.num_drafted_tokens for f in drafted)
     num_accepted = sum(f.num_accepted_tokens for f in drafted)
-    assert num_drafted > 48, "too little was drafted: the test checks nothing"
+    assert num_drafted > MAX_TOKENS, "too little was drafted: the test checks nothing"
     assert num_accepted >= 0.8 * num_drafted, (num_accepted, num_drafted)
 
 
