@@ -46,7 +46,7 @@ class FlatCosts(StepCosts):
         return 0.05
 
 
-# Long enough that, drafted from the replies' history, drafts are offered, kept and refused.
+# Long enough for drafts from the replies' history to be offered and kept (the tests assert both).
 MAX_TOKENS = 32
 
 

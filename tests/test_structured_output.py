@@ -183,8 +183,8 @@ def test_json_object_and_the_beta_output_format(server) -> None:  # type: ignore
     jsonschema.validate(json.loads(text), REVIEW)
 
 
-def test_forced_tool_call_input_validates(server) -> None:  # type: ignore[no-untyped-def]
-    """Each prompt greedy and sampled, all asked at once (one batch, as `_cases`'s)."""
+@pytest.mark.parametrize("temperature", TEMPERATURES, ids=["greedy", "sampled"])
+def test_forced_tool_call_input_validates(server, temperature: float) -> None:  # type: ignore[no-untyped-def]
     client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
     tools = [
         {"name": "get_weather", "description": "Weather forecast for a city", "input_schema": WEATHER},
@@ -192,8 +192,7 @@ def test_forced_tool_call_input_validates(server) -> None:  # type: ignore[no-un
     ]  # fmt: skip
     choices = [{"type": "tool", "name": "get_weather"}, {"type": "any"}]
 
-    def ask(case: tuple[int, float]) -> tuple[Any, Any]:
-        index, temperature = case
+    def ask(index: int) -> tuple[Any, Any]:
         reply = client.messages.create(
             model="default",
             messages=[
@@ -206,8 +205,7 @@ def test_forced_tool_call_input_validates(server) -> None:  # type: ignore[no-un
         )
         return reply.stop_reason, reply.content
 
-    cases = [(index, temperature) for temperature in TEMPERATURES for index in range(NUM_REPLIES)]
-    for stop_reason, content in _all(ask, cases):
+    for stop_reason, content in _all(ask, list(range(NUM_REPLIES))):
         assert stop_reason == "tool_use", content
         (call,) = [block for block in content if block.type == "tool_use"]
         schema = next(tool["input_schema"] for tool in tools if tool["name"] == call.name)
