@@ -33,15 +33,20 @@ def outbox(loop: asyncio.AbstractEventLoop) -> Outbox:
     return Outbox(loop)
 
 
-@pytest.fixture(scope="module")
-def served(default_model_dir: Path, outbox: Outbox) -> ServedModel:
+def load_served(model_dir: Path, outbox: Outbox) -> ServedModel:
+    """`model_dir` loaded for a batch stepped by hand (the `served` fixture's, on any model)."""
     if mx.default_device() != mx.cpu:
         pytest.skip("the first token is taken early only where MLX runs the step before `next()` returns")
     # Chunks of 128 tokens (short turns up to 256): a prompt needs only a few hundred tokens to be
     # cut into chunks, set aside or overtaken, which keeps these tests' prefills and their mlx-lm
     # references short. The code paths are the ones the CPU's default 512 takes.
-    config = EngineConfig(model=str(default_model_dir), cache_budget_mb=256, prefill_step_size=128)
+    config = EngineConfig(model=str(model_dir), cache_budget_mb=256, prefill_step_size=128)
     return ServedModel.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox)
+
+
+@pytest.fixture(scope="module")
+def served(default_model_dir: Path, outbox: Outbox) -> ServedModel:
+    return load_served(default_model_dir, outbox)
 
 
 def chat(served: ServedModel, text: str) -> list[int]:

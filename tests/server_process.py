@@ -71,9 +71,8 @@ class Zygote:
 
     def spawn(self, module: str, argv: list[str], log_path: Path) -> ForkedProcess:
         """`python -m module argv...` in the repository, its output appended to `log_path`."""
-        env = dict(os.environ)
         request = {"op": "spawn", "module": module, "argv": argv, "cwd": str(ROOT), "log": str(log_path)}
-        pid = self.ask({**request, "env": env})["pid"]
+        pid = self.ask({**request, "env": dict(os.environ)})["pid"]
         assert isinstance(pid, int)
         return ForkedProcess(self, pid)
 

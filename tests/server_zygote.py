@@ -76,17 +76,22 @@ def _run_child(request: dict[str, Any]) -> int:
     return 0
 
 
+def _reap(children: set[int], exited: dict[int, int]) -> None:
+    """Moves the children that have ended from `children` to `exited`, with their statuses."""
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        children.discard(pid)
+        exited[pid] = _exit_status(status)
+
+
 def _serve(listener: socket.socket, parent: int) -> int | None:
     """Answers requests until the parent goes; returns an exit code in a forked child."""
     exited: dict[int, int] = {}
     children: set[int] = set()
     while os.getppid() == parent:
-        while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            children.discard(pid)
-            exited[pid] = _exit_status(status)
+        _reap(children, exited)
         readable, _, _ = select.select([listener], [], [], REAP_INTERVAL_S)
         if not readable:
             continue
@@ -102,13 +107,8 @@ def _serve(listener: socket.socket, parent: int) -> int | None:
                 children.add(pid)
                 reply: dict[str, Any] = {"pid": pid}
             else:
-                pid = request["pid"]
-                if pid in children:  # not reaped yet: reap it now if it is done
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                    if done:
-                        children.discard(pid)
-                        exited[pid] = _exit_status(status)
-                reply = {"returncode": exited.get(pid)}
+                _reap(children, exited)  # as of now, not of the last pass
+                reply = {"returncode": exited.get(request["pid"])}
             stream.write(json.dumps(reply).encode() + b"\n")
             stream.flush()
     for pid in children:  # the session is gone (killed, say): so are the servers it started
@@ -121,8 +121,9 @@ def main() -> None:
     socket_path, parent = sys.argv[1], os.getppid()
     _preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(socket_path)
+    listener.bind(f"{socket_path}.binding")
     listener.listen(16)
+    os.rename(f"{socket_path}.binding", socket_path)  # the path appears once it takes connections
     code = _serve(listener, parent)
     if code is None:  # the zygote itself: its parent (the test session) is gone
         listener.close()

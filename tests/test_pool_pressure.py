@@ -13,7 +13,6 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
 import pytest_asyncio
 
@@ -21,14 +20,13 @@ from semantic.actors.engine_client import EngineConfig
 from semantic.actors.system import AgentSystem, SystemConfig
 from semantic.engine.decoding.sampling import SamplingParams
 from semantic.engine.loop.commands import InspectPool, Submit
-from semantic.engine.loop.config import EngineStats
 from semantic.engine.loop.errors import EngineError
 from semantic.engine.loop.messages import EventChannel, GenerationRequest
 from semantic.engine.loop.outbox import Outbox
 from semantic.engine.loop.served_model import ServedModel
 from semantic.engine.scheduling.scheduler import Scheduler
 from semantic.storage.agent_id import AgentId
-from tests.batch_driver import chat, drain, loop, outbox, submit
+from tests.batch_driver import chat, drain, load_served, loop, outbox, submit
 from tests.test_agents import cold_output, generate, run_turn, user_turn, without_eos
 
 __all__ = ["loop", "outbox"]  # fixtures
@@ -41,10 +39,7 @@ POOL_MB = 3
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir: Path, outbox: Outbox) -> ServedModel:
     """`tests.batch_driver`'s batch stepped by hand, on the tiny Llama."""
-    if mx.default_device() != mx.cpu:
-        pytest.skip("the first token is taken early only where MLX runs the step before `next()` returns")
-    config = EngineConfig(model=str(tiny_llama_dir), cache_budget_mb=256, prefill_step_size=128)
-    return ServedModel.load(config.model, None, config, mx.default_stream(mx.cpu), EngineStats(), outbox)
+    return load_served(tiny_llama_dir, outbox)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
