@@ -239,7 +239,8 @@ async def requests_in_connection(request: web.Request, handler: Handler) -> web.
 @web.middleware
 async def body_in_time(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Innermost: read the whole body within `server.body_timeout_s` (aiohttp keeps it for the
-    handler's `request.read()`), or answer 408 (400 for a body aiohttp cannot decode) and close."""
+    handler's `request.read()`), or answer 408 and close at once (400 for a body aiohttp cannot
+    decode, and close)."""
     if request.can_read_body:
         timeout_s = request.app[SETTINGS_KEY].server.body_timeout_s
         try:
@@ -249,6 +250,11 @@ async def body_in_time(request: web.Request, handler: Handler) -> web.StreamResp
             message = f"the request body did not arrive within {timeout_s:g} s (server.body_timeout_s)"
             response = error_response(request.path, 408, message, "timeout_error")
             response.force_close()
+            # Sent here and the connection closed behind it: left to aiohttp, the connection would
+            # linger for its `lingering_time` reading a body that is not coming, holding a slot.
+            await response.prepare(request)
+            await response.write_eof()
+            request.protocol.force_close()
             return response
         except RequestPayloadError as error:
             # aiohttp's parser feeds this body nothing more; at its end, aiohttp does not read it

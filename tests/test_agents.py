@@ -26,14 +26,16 @@ from semantic.storage.cache_file import CacheIdentity, read_cache_file, write_ca
 TURNS = ["Hi! My name is Ada.", "What is my name?", "Tell me a fun fact about the moon."]
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module", params=["default", "gemma3", "qwen2"])
+@pytest_asyncio.fixture(loop_scope="module", scope="module", params=["llama", "gemma3", "qwen2"])
 async def system(
     request: pytest.FixtureRequest,
-    default_model_dir: Path,
+    tiny_llama_dir: Path,
     tiny_model_dirs: dict[str, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[AgentSystem]:
-    model_dir = default_model_dir if request.param == "default" else tiny_model_dirs[request.param]
+    """Tiny random-weight models of three architectures (a full-attention Llama, Gemma 3's sliding
+    window, Qwen2): whether a cache resumes token for token does not depend on the words."""
+    model_dir = tiny_llama_dir if request.param == "llama" else tiny_model_dirs[request.param]
     config = SystemConfig(
         engine=EngineConfig(model=str(model_dir), cache_budget_mb=256),
         cache_dir=tmp_path_factory.mktemp("cache"),

@@ -40,7 +40,7 @@ def start_server(model_dir: Path, cache_dir: Path, *flags: str) -> ServerProcess
 
 @pytest.fixture(scope="module")
 def quick(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    flags = ("--header-timeout-s", "5", "--body-timeout-s", "1", "--keepalive-timeout-s", "1")
+    flags = ("--header-timeout-s", "2", "--body-timeout-s", "1", "--keepalive-timeout-s", "1")
     server = start_server(tiny_llama_dir, tmp_path_factory.mktemp("quick"), *flags)
     yield server
     server.stop()
@@ -48,7 +48,7 @@ def quick(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 @pytest.fixture(scope="module")
 def capped(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    flags = ("--max-connections", str(MAX_CONNECTIONS), "--header-timeout-s", "5")
+    flags = ("--max-connections", str(MAX_CONNECTIONS), "--header-timeout-s", "2")
     long_deadlines = ("--body-timeout-s", "300", "--keepalive-timeout-s", "300")
     server = start_server(tiny_llama_dir, tmp_path_factory.mktemp("capped"), *flags, *long_deadlines)
     yield server
@@ -91,7 +91,7 @@ def request_head(method: str, path: str, content_length: int | None = None) -> b
 
 @pytest.mark.parametrize("after_a_reply", [False, True])
 def test_a_half_sent_request_head_is_closed(capped: ServerProcess, after_a_reply: bool) -> None:
-    """Keep-alive and body deadlines are 300 s here: only the head deadline (5 s) can close it."""
+    """Keep-alive and body deadlines are 300 s here: only the head deadline (2 s) can close it."""
     with connect(capped) as connection:
         if after_a_reply:
             connection.sendall(request_head("GET", "/health/live"))

@@ -267,7 +267,7 @@ def _metadata(path: Path) -> dict[str, str]:
 def test_killing_a_rank_mid_stream_fails_the_stream_and_stops_the_group(
     llama_dir: Path, tmp_path: Path
 ) -> None:
-    args = ("--model", str(llama_dir), "--cache-budget-mb", "64", "--rank-timeout-s", "15")
+    args = ("--model", str(llama_dir), "--cache-budget-mb", "64", "--rank-timeout-s", "6")
     group = GroupProcesses(tmp_path / "cache", 2, *args).start()
     try:
         assert (

@@ -285,3 +285,26 @@ def test_trigger_index_finds_exactly_the_tokens_that_complete_a_trigger() -> Non
             expected = [t for t, text in enumerate(texts) if any(tr in pending + text for tr in triggers)]
             assert index.completing(index.open_prefix(pending)) == expected, (name, pending)
     assert len(compiler._trigger_index("e").completing(b"")) > MAX_LOOKAHEAD_TOKENS  # stepped at once
+
+
+def test_refused_openers_are_those_whose_call_cannot_go_on_when_opened_and_fed() -> None:
+    """`refused` judges a call its opener begins with one token by the grammar's first mask; each
+    format's refused openers are those that, opened and fed as a turn would feed them, leave the
+    call broken (an error, or stopped unfinished): every opener of the formats whose triggers few
+    tokens complete, and a sample of the thousands that complete "def " and "e"."""
+    rng = np.random.default_rng(0)
+    for name in ("hermes", "qwen3_coder", "def", "e", "closing"):
+        lookahead = matchers(name)[0]._lookahead
+        assert lookahead is not None
+        for prefix in [b"", *lookahead.index.trigger_prefixes]:
+            openers = lookahead.index.completing(prefix)
+            if len(openers) > 400:
+                openers = sorted(rng.choice(openers, 400, replace=False).tolist())
+            broken = []
+            for token in openers:
+                matcher = lookahead._opened(prefix, token)
+                if matcher.is_error() or (matcher.is_stopped() and not matcher.is_accepting()):
+                    broken.append(token)
+            refused = set(lookahead.refused(prefix))
+            assert [token for token in openers if token in refused] == broken, (name, prefix)
+    assert len(matchers("e")[0]._lookahead.refused(b"")) > 1000  # the sample held some

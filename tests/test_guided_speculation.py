@@ -35,7 +35,15 @@ GRAMMARS = [FOLLOWED, FORCED, None]
 MAX_TOKENS = 32
 
 
-def _replies(model_dir: Path, speculate: str) -> tuple[list[Finished], list[str]]:
+@pytest.fixture(scope="module")
+def compiler(default_model_dir: Path) -> GrammarCompiler:
+    """One compiler for the module: its grammars' trigger lookaheads (filled as the matchers first
+    mask, and costly for a trigger that ends in a space) are computed once."""
+    tokenizer = load_tokenizer(default_model_dir)
+    return GrammarCompiler(tokenizer, sorted(tokenizer.eos_token_ids))
+
+
+def _replies(model_dir: Path, speculate: str, compiler: GrammarCompiler) -> tuple[list[Finished], list[str]]:
     loop = asyncio.new_event_loop()
     try:
         outbox = Outbox(loop)
@@ -47,7 +55,7 @@ def _replies(model_dir: Path, speculate: str) -> tuple[list[Finished], list[str]
             served.batch.speculation.costs = FlatCosts()
             served.batch.speculation.margin = 0.0
         tokenizer = served.loaded.tokenizer
-        compiler = GrammarCompiler(tokenizer, sorted(served.loaded.eos_token_ids))
+        assert set(served.loaded.eos_token_ids) == set(tokenizer.eos_token_ids)
         prompt = list(
             tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
         )
@@ -88,11 +96,13 @@ def _replies(model_dir: Path, speculate: str) -> tuple[list[Finished], list[str]
         loop.close()
 
 
-def test_guided_greedy_replies_draft_and_equal_without_drafts(default_model_dir: Path) -> None:
+def test_guided_greedy_replies_draft_and_equal_without_drafts(
+    default_model_dir: Path, compiler: GrammarCompiler
+) -> None:
     if mx.default_device() != mx.cpu:
         pytest.skip("compares against the CPU's own replies")
-    plain, _ = _replies(default_model_dir, "off")
-    drafted, texts = _replies(default_model_dir, "ngram")
+    plain, _ = _replies(default_model_dir, "off", compiler)
+    drafted, texts = _replies(default_model_dir, "ngram", compiler)
     assert [f.generated_token_ids for f in drafted] == [f.generated_token_ids for f in plain]
     followed, forced, _ = drafted
     assert texts[0].count("(x, y):") >= 2 and texts[1].count("(a, b):") >= 2, texts  # two calls each
@@ -102,13 +112,12 @@ def test_guided_greedy_replies_draft_and_equal_without_drafts(default_model_dir:
 
 
 def test_a_grammar_masks_drafts_and_takes_back_the_rejected_as_if_never_drafted(
-    default_model_dir: Path,
+    default_model_dir: Path, compiler: GrammarCompiler
 ) -> None:
     """A verify's masks at every drafted position are those of one call per token, and after taking
     back the rejected drafts (across a call's opening and its close) the matcher goes on as one that
     never saw them; a draft the grammar refuses ends what it masks."""
     tokenizer = load_tokenizer(default_model_dir)
-    compiler = GrammarCompiler(tokenizer, list(tokenizer.eos_token_ids))
     ids = tokenizer.encode(
         "Sure: def function_1(x, y):\n    return x\ndef add(x, y):\nok", add_special_tokens=False
     )

@@ -209,17 +209,25 @@ def _open_call(
     """Free `text` (the pending text and the newest token's): the matcher of the call its first
     trigger opened (a copy of `template`, fed what followed the trigger) and no pending text, or no
     matcher and the end of `text` that may still begin a trigger."""
-    found = [(at, trigger) for trigger in triggers if (at := text.find(trigger)) >= 0]
-    if not found:
+    rest = _call_text(text, triggers)
+    if rest is None:
         return None, text[-max(map(len, triggers)) :]
-    at, trigger = min(found)
-    rest = text[at + len(trigger) :]
-    if len(triggers) > 1:  # the grammar starts with the trigger, to tell which opened the call
-        rest = trigger + rest
     matcher = template.deep_copy()
     if rest:  # the token that completed the trigger also began the call
         matcher.consume_tokens(tokenizer.tokenize_bytes(rest))
     return matcher, b""
+
+
+def _call_text(text: bytes, triggers: list[bytes]) -> bytes | None:
+    """What of free `text` its first trigger opened a call with (None: no trigger in it): what
+    followed the trigger, and with several triggers the trigger too (the grammar starts with it, to
+    tell which opened the call)."""
+    found = [(at, trigger) for trigger in triggers if (at := text.find(trigger)) >= 0]
+    if not found:
+        return None
+    at, trigger = min(found)
+    rest = text[at + len(trigger) :]
+    return trigger + rest if len(triggers) > 1 else rest
 
 
 def _next_allowed(
@@ -336,6 +344,7 @@ class TriggerLookahead:
     _by_prefix: dict[tuple[bytes, int], Completions | None] = field(default_factory=dict, init=False)
     _refused: dict[bytes, list[int]] = field(default_factory=dict, init=False)
     _risky: dict[bytes, bool] = field(default_factory=dict, init=False)
+    _first_mask: np.ndarray | None = field(default=None, init=False)  # the call's first token's
 
     def completions(self, pending: bytes, vocab_size: int) -> Completions | None:
         key = (self.index.open_prefix(pending), vocab_size)
@@ -354,10 +363,24 @@ class TriggerLookahead:
         return allowed
 
     def refused(self, prefix: bytes) -> list[int]:
-        """The tokens that complete a trigger after `prefix` into a call the grammar cannot go on with."""
+        """The tokens that complete a trigger after `prefix` into a call the grammar cannot go on with.
+        Thousands may complete a trigger such as "def " or "e": a call they begin with a token the
+        grammar's first mask refuses is refused, one begun with a token it allows goes on (its masks
+        allow exactly the tokens it can go on from), and only a call begun with more tokens than
+        one is opened and fed them."""
         if prefix not in self._refused:
+            if self._first_mask is None:
+                self._first_mask = token_mask(self.template, self.tokenizer.vocab_size)
             refused = []
             for token in self.index.completing(prefix):
+                rest = _call_text(prefix + self.tokenizer.decode_bytes([token]), self.index.triggers)
+                assert rest is not None, "a completing token opened no call: TriggerIndex bug"
+                begun = self.tokenizer.tokenize_bytes(rest) if rest else []
+                if begun and not self._first_mask[begun[0]]:
+                    refused.append(token)
+                    continue
+                if len(begun) == 1:
+                    continue
                 matcher = self._opened(prefix, token)
                 if matcher.is_error() or (matcher.is_stopped() and not matcher.is_accepting()):
                     refused.append(token)
