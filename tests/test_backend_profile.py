@@ -144,10 +144,9 @@ def test_semantic_config_prints_the_profile() -> None:
     )
 
 
-@pytest.mark.usefixtures("default_model_dir")
-def test_health_ready_reports_the_profile(tmp_path: Path, default_model_dir: Path) -> None:
+def test_health_ready_reports_the_profile(tmp_path: Path, tiny_llama_dir: Path) -> None:
     server = ServerProcess(
-        tmp_path, "--model", str(default_model_dir), "--cache-budget-mb", "64", "--no-mixed-step"
+        tmp_path, "--model", str(tiny_llama_dir), "--cache-budget-mb", "64", "--no-mixed-step"
     ).start()
     try:
         with urllib.request.urlopen(f"{server.base_url}/health/ready", timeout=30) as reply:

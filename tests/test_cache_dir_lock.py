@@ -52,9 +52,9 @@ def test_a_holder_that_is_killed_leaves_the_cache_dir_free(tmp_path: Path) -> No
         pass
 
 
-def test_a_server_refuses_a_cache_dir_a_command_holds(default_model_dir: Path, tmp_path: Path) -> None:
+def test_a_server_refuses_a_cache_dir_a_command_holds(tiny_llama_dir: Path, tmp_path: Path) -> None:
     with CacheDirLock(tmp_path, LockHolder(os.getpid(), "command")):
-        server = ServerProcess(tmp_path, "--model", str(default_model_dir))
+        server = ServerProcess(tmp_path, "--model", str(tiny_llama_dir))
         with pytest.raises(RuntimeError, match=r"refusing to serve: the cache dir .* semantic command"):
             server.start()
         assert server.proc is not None and server.proc.returncode == 1
@@ -98,25 +98,25 @@ def test_a_holder_is_never_read_through_a_link(tmp_path: Path) -> None:
     assert read_holder(victim, wait_s=0) == LockHolder(4321, "server", "127.0.0.1", 9)
 
 
-def test_a_server_refuses_a_lock_file_that_is_a_link(default_model_dir: Path, tmp_path: Path) -> None:
+def test_a_server_refuses_a_lock_file_that_is_a_link(tiny_llama_dir: Path, tmp_path: Path) -> None:
     cache_dir, victim = tmp_path / "cache", tmp_path / "victim.txt"
     cache_dir.mkdir()
     victim.write_bytes(b"precious")
     (cache_dir / LOCK_NAME).symlink_to(victim)
-    server = ServerProcess(cache_dir, "--model", str(default_model_dir))
+    server = ServerProcess(cache_dir, "--model", str(tiny_llama_dir))
     with pytest.raises(RuntimeError, match=r"refusing to serve: the lock file .* is a symbolic link"):
         server.start()
     assert server.proc is not None and server.proc.returncode == 1
     assert victim.read_bytes() == b"precious" and "Traceback" not in server.log()
 
 
-def test_a_server_refuses_a_linked_agents_folder(default_model_dir: Path, tmp_path: Path) -> None:
+def test_a_server_refuses_a_linked_agents_folder(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """It would have written every agent's files where the link points, outside the cache dir."""
     cache_dir, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
     cache_dir.mkdir()
     elsewhere.mkdir()
     (cache_dir / "agents").symlink_to(elsewhere, target_is_directory=True)
-    server = ServerProcess(cache_dir, "--model", str(default_model_dir))
+    server = ServerProcess(cache_dir, "--model", str(tiny_llama_dir))
     with pytest.raises(RuntimeError, match=r"refusing to serve: .*agents is a symbolic link"):
         server.start()
     assert server.proc is not None and server.proc.returncode == 1

@@ -35,10 +35,10 @@ def doctor(*argv: str) -> tuple[int, dict[str, str]]:
     return proc.returncode, lines
 
 
-def test_doctor_checks_a_usable_setup(tmp_path: Path, default_model_dir: Path) -> None:
+def test_doctor_checks_a_usable_setup(tmp_path: Path, tiny_llama_dir: Path) -> None:
     port = str(free_port())
     code, lines = doctor(
-        "--cache-dir", str(tmp_path / "cache"), "--port", port, "--model", str(default_model_dir)
+        "--cache-dir", str(tmp_path / "cache"), "--port", port, "--model", str(tiny_llama_dir)
     )
     assert code == 0, lines
     assert tuple(lines) == CHECKS

@@ -347,10 +347,10 @@ def _main_pid(name: str) -> str:
 
 
 def test_serve_logs_to_its_file_and_warns_of_a_key_on_its_command_line(
-    server_factory: Callable[..., ServerProcess], default_model_dir: Path, tmp_path: Path
+    server_factory: Callable[..., ServerProcess], tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     log = tmp_path / "served.log"
-    argv = ["--model", str(default_model_dir), "--log-file", str(log), "--api-key", "k"]
+    argv = ["--model", str(tiny_llama_dir), "--log-file", str(log), "--api-key", "k"]
     server = server_factory(*argv).start()
     with urllib.request.urlopen(f"{server.base_url}/health/ready", timeout=10) as reply:
         assert reply.status == 200
