@@ -31,11 +31,11 @@ def broken_model_dir(tmp_path: Path) -> Path:
 
 
 def test_swap_and_back_resumes_agents_from_disk_token_exactly(  # type: ignore[no-untyped-def]
-    server_factory, default_model_dir: Path, tiny_model_dirs: dict[str, Path], broken_model_dir: Path
+    server_factory, tiny_llama_dir: Path, tiny_model_dirs: dict[str, Path], broken_model_dir: Path
 ) -> None:
     server = server_factory(
         "--model",
-        str(default_model_dir),
+        str(tiny_llama_dir),
         "--add-model",
         f"tiny={tiny_model_dirs['qwen2']}",
         "--add-model",
@@ -45,7 +45,7 @@ def test_swap_and_back_resumes_agents_from_disk_token_exactly(  # type: ignore[n
         "--cache-budget-mb",
         "512",
     ).start()
-    served = default_model_dir.name
+    served = tiny_llama_dir.name
     status, listing = call(server, "GET", "/v1/models")
     assert [(m["id"], m["loaded"]) for m in listing["data"]] == [
         (served, True),
@@ -95,9 +95,7 @@ def test_swap_and_back_resumes_agents_from_disk_token_exactly(  # type: ignore[n
     after = conversation_tokens(server.cache_dir, "ada", 3)
     prompt = after[: usage["prompt_tokens"]]
     assert prompt[: len(before)] == before
-    assert after[usage["prompt_tokens"] :] == cold_continuation(
-        default_model_dir, prompt, GREEDY["max_tokens"]
-    )
+    assert after[usage["prompt_tokens"] :] == cold_continuation(tiny_llama_dir, prompt, GREEDY["max_tokens"])
 
     # A model that fails to load is reported, and A serves on.
     status, failed = call(server, "POST", "/admin/models/load", {"model": "broken"})
@@ -118,7 +116,7 @@ def test_swap_and_back_resumes_agents_from_disk_token_exactly(  # type: ignore[n
     swap = unloaded["swap"]
     start = unloaded["active_memory_before_first_load"]
     footprint = swap["active_memory_before_unload"] - start
-    assert footprint > 100 * 2**20  # SmolLM2-135M in fp32 and its caches
+    assert footprint > 20 * 2**20  # the model and its caches: enough for 5% of it to show a leak
     assert swap["active_memory_after_unload"] - start <= 0.05 * footprint, swap
     assert call(server, "GET", "/health/ready")[1]["loaded"] is False
     assert chat(server, served, "hi")[0] == 200  # loads again on demand
