@@ -135,9 +135,9 @@ async def _turn(system: AgentSystem, agent_id: AgentId | None, text: str, **fiel
 
 
 async def test_engine_modules_run_on_the_engine_thread(
-    default_model_dir: Path, tmp_path: Path, call_log: CallLog
+    tiny_llama_dir: Path, tmp_path: Path, call_log: CallLog
 ) -> None:
-    engine = EngineConfig(model=str(default_model_dir), cache_budget_mb=256)
+    engine = EngineConfig(model=str(tiny_llama_dir), cache_budget_mb=256)
     config = SystemConfig(engine=engine, cache_dir=tmp_path)
     async with AgentSystem(config) as system:
         ada = AgentId("ada")
