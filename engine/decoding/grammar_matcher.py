@@ -344,7 +344,7 @@ class TriggerLookahead:
     _by_prefix: dict[tuple[bytes, int], Completions | None] = field(default_factory=dict, init=False)
     _refused: dict[bytes, list[int]] = field(default_factory=dict, init=False)
     _risky: dict[bytes, bool] = field(default_factory=dict, init=False)
-    _first_mask: np.ndarray | None = field(default=None, init=False)  # the call's first token's
+    _first_mask: np.ndarray | None = field(default=None, init=False)  # before any of a call
 
     def completions(self, pending: bytes, vocab_size: int) -> Completions | None:
         key = (self.index.open_prefix(pending), vocab_size)
@@ -381,7 +381,8 @@ class TriggerLookahead:
                     continue
                 if len(begun) == 1:
                     continue
-                matcher = self._opened(prefix, token)
+                matcher = self.template.deep_copy()  # the call opened, as `_open_call` opens it
+                matcher.consume_tokens(begun)
                 if matcher.is_error() or (matcher.is_stopped() and not matcher.is_accepting()):
                     refused.append(token)
             self._refused[prefix] = refused
