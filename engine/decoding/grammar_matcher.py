@@ -11,7 +11,9 @@ pay nothing. A reply the grammar ended unfinished is an error, not a stop.
 
 A lazy grammar's matcher in free text never waits for the token just sampled (mlx-lm computes it
 while the next step is queued): it reads each token one step late and masks the step on the device,
-with the mask each token that could complete a trigger would bring (`TriggerLookahead`).
+with the mask each token that could complete a trigger would bring (`TriggerLookahead`). Where it
+must read the token at once (inside a call), it queues the step's forward pass first, so the mask
+is computed while the device runs the model.
 """
 
 from __future__ import annotations
@@ -106,6 +108,9 @@ class GrammarMatcher:
                 # for this token only.
                 mx.async_eval(self._lagging)
                 return completions.masked(self._lagging, logits)
+        # The step's forward pass queued before the wait for the token just sampled: the device
+        # computes it while this thread waits and computes the mask, which only the sampling needs.
+        mx.async_eval(logits)
         return _masked(logits, self._next_mask(tokens, logits.shape[-1]))
 
     def num_allowed(self, tokens: Sequence[int]) -> int:
@@ -123,6 +128,7 @@ class GrammarMatcher:
         before it would mask it, up to the first draft its mask refuses; returns the logits and how
         many drafts were allowed (consumed). `keep_drafts` then takes back those the verify rejected."""
         assert not self._drafted, "drafts masked twice without keep_drafts: the verify step's bug"
+        mx.async_eval(logits)  # the verify's forward pass computes while the masks are
         vocab_size = logits.shape[-1]
         allowed = self._next_mask(tokens, vocab_size)
         masked = [_masked(logits[:1], allowed)]
