@@ -1,7 +1,8 @@
 """A group of `semantic serve` processes on loopback, joined by MLX's ring backend: for tests and benches.
 
 Each rank gets the environment `mlx.launch` would give it (`MLX_HOSTFILE`, `MLX_RANK`), so the
-group forms exactly as under the launcher, but each process is ours to signal or kill.
+group forms exactly as under the launcher, but each process is ours to signal or kill. Where the test
+session has a zygote (tests/server_zygote.py), the ranks are forked from it like its servers.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.server_process import READY_POLL_S, ROOT, free_port
+from tests.server_process import READY_POLL_S, ROOT, Process, ServerProcess, free_port
 
 
 class GroupProcesses:
@@ -26,7 +27,7 @@ class GroupProcesses:
         self.args = args
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.procs: list[Process] = []
 
     def log_path(self, rank: int) -> Path:
         return self.cache_dir / f"rank-{rank}-{self.port}.log"
@@ -38,11 +39,14 @@ class GroupProcesses:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         hostfile = self.cache_dir / f"hosts-{self.port}.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(self.size)]))
-        command = [sys.executable, "-m", "semantic.cli", "serve", "--port", str(self.port)]
-        command += ["--cache-dir", str(self.cache_dir), *self.args]
+        argv = ["serve", "--port", str(self.port), "--cache-dir", str(self.cache_dir), *self.args]
         for rank in range(self.size):
             env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)}
+            if ServerProcess.zygote is not None:
+                self.procs.append(ServerProcess.zygote.spawn("semantic.cli", argv, self.log_path(rank), env))
+                continue
             with open(self.log_path(rank), "ab") as log:
+                command = [sys.executable, "-m", "semantic.cli", *argv]
                 self.procs.append(
                     subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
                 )

@@ -69,10 +69,13 @@ class Zygote:
                 reply: dict[str, object] = json.loads(stream.readline())
                 return reply
 
-    def spawn(self, module: str, argv: list[str], log_path: Path) -> ForkedProcess:
-        """`python -m module argv...` in the repository, its output appended to `log_path`."""
+    def spawn(
+        self, module: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None
+    ) -> ForkedProcess:
+        """`python -m module argv...` in the repository, its output appended to `log_path`, in `env`
+        (by default, this process's environment)."""
         request = {"op": "spawn", "module": module, "argv": argv, "cwd": str(ROOT), "log": str(log_path)}
-        pid = self.ask({**request, "env": dict(os.environ)})["pid"]
+        pid = self.ask({**request, "env": dict(os.environ) if env is None else env})["pid"]
         assert isinstance(pid, int)
         return ForkedProcess(self, pid)
 

@@ -38,11 +38,12 @@ async def wait_for_reaping(system: AgentSystem) -> None:
     await wait_until_async(reaped, "every idle actor has stopped")
 
 
+@pytest.mark.slow  # a soak of 22,000 actors; the anonymous request below is reaped in the default suite
 async def test_20000_one_off_agent_ids_leave_no_actors_and_no_memory_behind(
-    default_model_dir: Path, tmp_path: Path
+    tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     config = SystemConfig(
-        engine=EngineConfig(model=str(default_model_dir), cache_budget_mb=256),
+        engine=EngineConfig(model=str(tiny_llama_dir), cache_budget_mb=256),
         cache_dir=tmp_path,
         actor_idle_s=0.2,
     )
@@ -76,10 +77,10 @@ async def test_20000_one_off_agent_ids_leave_no_actors_and_no_memory_behind(
 
 
 async def test_an_anonymous_request_gets_an_actor_that_ends_with_it(
-    default_model_dir: Path, tmp_path: Path
+    tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     config = SystemConfig(
-        engine=EngineConfig(model=str(default_model_dir), cache_budget_mb=256), cache_dir=tmp_path
+        engine=EngineConfig(model=str(tiny_llama_dir), cache_budget_mb=256), cache_dir=tmp_path
     )
     async with AgentSystem(config) as system:
         turn = TurnRequest(
@@ -98,10 +99,10 @@ class PanicException(BaseException):
 
 
 async def test_a_library_panic_fails_its_turn_and_the_system_serves_on(
-    default_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = SystemConfig(
-        engine=EngineConfig(model=str(default_model_dir), cache_budget_mb=256), cache_dir=tmp_path
+        engine=EngineConfig(model=str(tiny_llama_dir), cache_budget_mb=256), cache_dir=tmp_path
     )
     async with AgentSystem(config) as system:
         in_worker = system.models.in_tokenizer_worker

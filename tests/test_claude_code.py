@@ -94,6 +94,9 @@ def tool_model_dir(default_model_dir: Path) -> Path:
     return built
 
 
+# With the slow tests: the longest of the suite, two whole CLI sessions with a sub-agent; the test
+# above runs the CLI against the server in the default suite.
+@pytest.mark.slow
 @pytest.mark.timeout(1800)  # two CLI sessions: beside two CPU hogs one took over 300 s
 def test_claude_code_sends_a_sub_agent_that_reads_a_file(
     server_factory, tool_model_dir: Path, tmp_path: Path

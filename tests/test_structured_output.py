@@ -1,6 +1,7 @@
 """Output that obeys its schema: JSON schemas and forced tool calls decoded under a grammar, with the
 real default model behind a real server, checked with `jsonschema`: greedy and sampled replies per
-API, each prompt different (6 each in the suite; `STRUCTURED_OUTPUT_REPLIES=50` for the full run)."""
+API, each prompt different (3 each in the suite, each schema once; 12 with the slow tests;
+`STRUCTURED_OUTPUT_REPLIES=50` for the full run)."""
 
 from __future__ import annotations
 
@@ -76,7 +77,9 @@ TOPICS = [
     "a potter", "a tailor", "a coder", "a runner", "a monk", "a clown", "a smith", "a hunter",
     "a weaver", "a barber",
 ]  # fmt: skip
-NUM_REPLIES = int(os.environ.get("STRUCTURED_OUTPUT_REPLIES", "6"))
+NUM_REPLIES = int(os.environ.get("STRUCTURED_OUTPUT_REPLIES", "3"))
+# Replies per temperature: the suite's, and more with the slow tests.
+REPLIES = [pytest.param(NUM_REPLIES, id="suite"), pytest.param(12, id="more", marks=pytest.mark.slow)]
 TEMPERATURES = (0.0, 0.8)  # greedy and sampled
 # The cap is room, not something under test: a schema's grammar ends each reply, and a sampled one
 # may wander into rare multi-byte text, a few tokens a character, before it does. The longest of
@@ -103,11 +106,11 @@ def server(shared_server):  # type: ignore[no-untyped-def]
     return shared_server
 
 
-def _cases() -> list[tuple[dict[str, Any], str, float]]:
+def _cases(num_replies: int) -> list[tuple[dict[str, Any], str, float]]:
     """Each prompt greedy and sampled: all of them are asked at once, so they decode as one batch."""
     cases = []
     for temperature in TEMPERATURES:
-        for index in range(NUM_REPLIES):
+        for index in range(num_replies):
             schema = SCHEMAS[index % len(SCHEMAS)]
             topic = TOPICS[index % len(TOPICS)]
             cases.append((schema, f"Describe {topic} (case {index}) as JSON.", temperature))
@@ -119,7 +122,8 @@ def _all(fn: Any, cases: list[Any]) -> list[Any]:
         return list(pool.map(fn, cases))
 
 
-def test_openai_json_schema_replies_validate(server) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("num_replies", REPLIES)
+def test_openai_json_schema_replies_validate(server, num_replies: int) -> None:  # type: ignore[no-untyped-def]
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 
     def ask(case: tuple[dict[str, Any], str, float]) -> tuple[dict[str, Any], str, str | None]:
@@ -137,12 +141,13 @@ def test_openai_json_schema_replies_validate(server) -> None:  # type: ignore[no
         )
         return schema, reply.choices[0].message.content or "", reply.choices[0].finish_reason
 
-    for schema, text, finish_reason in _all(ask, _cases()):
+    for schema, text, finish_reason in _all(ask, _cases(num_replies)):
         assert finish_reason == "stop", text
         jsonschema.validate(json.loads(text), schema)
 
 
-def test_anthropic_output_config_replies_validate(server) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("num_replies", REPLIES)
+def test_anthropic_output_config_replies_validate(server, num_replies: int) -> None:  # type: ignore[no-untyped-def]
     client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
 
     def ask(case: tuple[dict[str, Any], str, float]) -> tuple[dict[str, Any], str, str | None]:
@@ -157,7 +162,7 @@ def test_anthropic_output_config_replies_validate(server) -> None:  # type: igno
         text = "".join(block.text for block in reply.content if block.type == "text")
         return schema, text, reply.stop_reason
 
-    for schema, text, stop_reason in _all(ask, _cases()):
+    for schema, text, stop_reason in _all(ask, _cases(num_replies)):
         assert stop_reason == "end_turn", text
         jsonschema.validate(json.loads(text), schema)
 
@@ -183,8 +188,9 @@ def test_json_object_and_the_beta_output_format(server) -> None:  # type: ignore
     jsonschema.validate(json.loads(text), REVIEW)
 
 
+@pytest.mark.parametrize("num_replies", REPLIES)
 @pytest.mark.parametrize("temperature", TEMPERATURES, ids=["greedy", "sampled"])
-def test_forced_tool_call_input_validates(server, temperature: float) -> None:  # type: ignore[no-untyped-def]
+def test_forced_tool_call_input_validates(server, temperature: float, num_replies: int) -> None:  # type: ignore[no-untyped-def]
     client = anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
     tools = [
         {"name": "get_weather", "description": "Weather forecast for a city", "input_schema": WEATHER},
@@ -205,7 +211,7 @@ def test_forced_tool_call_input_validates(server, temperature: float) -> None:  
         )
         return reply.stop_reason, reply.content
 
-    for stop_reason, content in _all(ask, list(range(NUM_REPLIES))):
+    for stop_reason, content in _all(ask, list(range(num_replies))):
         assert stop_reason == "tool_use", content
         (call,) = [block for block in content if block.type == "tool_use"]
         schema = next(tool["input_schema"] for tool in tools if tool["name"] == call.name)

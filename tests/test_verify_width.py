@@ -6,7 +6,7 @@ of kept drafts checked on their own."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from semantic.engine.decoding.sampling import SamplingParams
@@ -111,6 +111,10 @@ offers = st.lists(
 )
 
 
+TIE = 1e-12
+
+
+@example(num_rows=1, seconds_by_width={1: 0.916584460119346}, row_offers=[([], 1)])  # a tie, found
 @given(st.integers(1, 4), costs_by_width, offers)
 def test_the_width_chosen_gives_the_most_tokens_per_second(
     num_rows: int, seconds_by_width: dict[int, float], row_offers: list[tuple[list[tuple[int, int]], int]]
@@ -127,12 +131,14 @@ def test_the_width_chosen_gives_the_most_tokens_per_second(
         expected = num_rows + sum(length.expected_kept(min(n, w - 1)) for length, n in lengths)
         return expected / seconds
 
-    plain_bar = (1 + MARGIN) * rate(1)
+    # Rates within rounding of each other are a tie, which either width may win (the two sides
+    # multiply and divide in other orders).
+    plain_bar = (1 + MARGIN) * rate(1) * (1 + TIE)
     if width == 1:
         assert all(rate(w) <= plain_bar for w in range(2, longest + 2))
     else:
-        assert rate(width) > plain_bar
-        assert all(rate(w) <= rate(width) for w in range(2, longest + 2))
+        assert rate(width) * (1 + 2 * TIE) > plain_bar
+        assert all(rate(w) <= rate(width) * (1 + TIE) for w in range(2, longest + 2))
 
 
 def test_a_guess_is_judged_once_by_the_token_fed_unless_a_verify_judged_it() -> None:
