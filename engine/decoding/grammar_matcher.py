@@ -168,7 +168,8 @@ class GrammarMatcher:
             return
         token, self._lagging = int(self._lagging.item()), None  # type: ignore[arg-type]
         self._consume(token)
-        self._allowed_now(self._lagging_vocab_size)
+        if self._matcher is not None:  # free text's mask notes nothing
+            self._allowed_now(self._lagging_vocab_size)
 
     def _allowed_now(self, vocab_size: int) -> np.ndarray | None:
         """The mask of the next token (None: free text, anything goes); notes a failure."""
