@@ -219,10 +219,16 @@ def _open_call(
     rest = _call_text(text, triggers)
     if rest is None:
         return None, text[-max(map(len, triggers)) :]
+    # The token that completed the trigger may also have begun the call.
+    return _fed(template, tokenizer.tokenize_bytes(rest) if rest else []), b""
+
+
+def _fed(template: LLMatcher, tokens: list[int]) -> LLMatcher:
+    """A call's matcher: a copy of `template` that has consumed the call's first `tokens`."""
     matcher = template.deep_copy()
-    if rest:  # the token that completed the trigger also began the call
-        matcher.consume_tokens(tokenizer.tokenize_bytes(rest))
-    return matcher, b""
+    if tokens:
+        matcher.consume_tokens(tokens)
+    return matcher
 
 
 def _call_text(text: bytes, triggers: list[bytes]) -> bytes | None:
@@ -386,10 +392,9 @@ class TriggerLookahead:
                 if begun and not self._first_mask[begun[0]]:
                     refused.append(token)
                     continue
-                if len(begun) == 1:
+                if len(begun) <= 1:  # a call not begun, or begun with a token its first mask allows
                     continue
-                matcher = self.template.deep_copy()  # the call opened, as `_open_call` opens it
-                matcher.consume_tokens(begun)
+                matcher = _fed(self.template, begun)
                 if matcher.is_error() or (matcher.is_stopped() and not matcher.is_accepting()):
                     refused.append(token)
             self._refused[prefix] = refused
