@@ -1,12 +1,13 @@
 """What a guided row in free text costs a decode step, without the server around it.
 
 mlx-lm's `BatchGenerator` steps 8 rows of the fast tiny model (bench/step_overhead.py's 2-layer
-llama), three ways, alternating: no logits processors; an identity processor on every row (what
-mlx-lm's per-row path costs once any row has a processor); and a lazy tool-call grammar on every row
+llama), four ways, alternating: no logits processors; an identity processor on every row (what
+mlx-lm's per-row path costs once any row has a processor); a lazy tool-call grammar on every row
 (`GrammarMatcher` waiting for its trigger, as a guided turn does while it writes text: it reads the
-previous token and watches for the call's opening). Per step: wall-clock and process CPU time, the
-medians over the repetitions. Where wall time grows more than CPU time, the step waited: the matcher
-reads the last token before mlx-lm has queued the next step.
+previous token and watches for the call's opening) called by mlx-lm's per-row path
+(`grammar-per-row`); and the same grammars in semantic's decode batch, which masks every row in one
+op (`grammar`, `engine/mlx_adapter/guided_batch.py`). Per step: wall-clock and process CPU time, the
+medians over the repetitions. Where wall time grows more than CPU time, the step waited.
 Writes bench/results/guided_step_cost.json.
 
     python -m semantic.launch .venv/bin/python -m bench.guided_step_cost [--steps 300] [--reps 3]
@@ -27,12 +28,13 @@ from bench.common import write_results
 from bench.step_overhead import FAST_LLAMA
 from semantic.engine.decoding.grammar_matcher import GrammarCompiler
 from semantic.engine.mlx_adapter.api import load
+from semantic.engine.mlx_adapter.guided_batch import guided
 from semantic.engine.model.default_model import ensure_default_model
 from tests.tiny_models import write_random_model
 
 ROWS = 8
 WARM_STEPS = 10
-MODES = ("none", "identity", "grammar")
+MODES = ("none", "identity", "grammar-per-row", "grammar")
 # A call's opening the random model never writes: each guided row stays in free text.
 GRAMMAR = '%llguidance {}\nstart: "<tool_call>" /[a-z]+/ "</tool_call>"\n'
 TRIGGER = "<tool_call>"
@@ -45,9 +47,11 @@ def step_costs(
     processors: list[list[Any]] | None = None
     if mode == "identity":
         processors = [[lambda tokens, logits: logits] for _ in prompts]
-    elif mode == "grammar":
+    elif mode.startswith("grammar"):
         processors = [[compiler.matcher(GRAMMAR, TRIGGER)] for _ in prompts]
     generator = BatchGenerator(model, stop_tokens=set(), max_tokens=steps + 2 * WARM_STEPS)
+    if mode == "grammar":
+        generator = guided(generator)
     generator.insert(prompts, max_tokens=[steps + 2 * WARM_STEPS] * ROWS, logits_processors=processors)
     for _ in range(WARM_STEPS):
         generator.next()

@@ -5,9 +5,11 @@ into a `GrammarMatcher` in the tokenizer workers (`GrammarCompiler`, one per loa
 grammars cached by their text within the turn's cache salt, so a compile's speed never tells one
 tenant another's schema; a follower rank compiles on its engine thread), which refuses what
 llguidance cannot enforce with a `GrammarError` (a 400): never silent non-enforcement. The matcher
-then travels in the `GenerationRequest` to the engine thread, which alone uses it from then on:
-mlx-lm's BatchGenerator calls it as that sequence's logits processor, so sequences without a grammar
-pay nothing. A reply the grammar ended unfinished is an error, not a stop.
+then travels in the `GenerationRequest` to the engine thread, which alone uses it from then on: the
+decode batch asks it for each step's mask (`next_mask`) and masks every guided row in one op
+(`engine/mlx_adapter/guided_batch.py`), or mlx-lm's per-row path calls it as that sequence's logits
+processor; sequences without a grammar pay nothing. A reply the grammar ended unfinished is an
+error, not a stop.
 
 A lazy grammar's matcher in free text never waits for the token just sampled (mlx-lm computes it
 while the next step is queued): it reads each token one step late and masks the step on the device,
@@ -94,24 +96,36 @@ class GrammarMatcher:
         self._drafted: list[tuple[LLMatcher | None, bytes, str | None, bool]] = []
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        """mlx-lm's per-row logits-processor call: this row's `logits` masked after the last of `tokens`."""
+        token = tokens[-1]
+        allowed = self.next_mask(token, logits)
+        if self._lagging is not None:
+            # mlx-lm evaluates the row's token context after the step's forward pass: queued now, so
+            # the next call's read waits for this token only.
+            mx.async_eval(token)
+        return masked_rows(logits, [allowed])
+
+    def next_mask(self, token: mx.array, logits: mx.array) -> mx.array | None:
+        """The mask (vocab,) of the step whose logits are `logits` (this row's, or its whole batch's),
+        after `token`, the one sampled from the previous step: None where anything goes.
+
+        In free text, with a lookahead, `token` is not read: it is left lagging, consumed at the
+        next call, and the mask after it chosen on the device. Where the grammar must read it now,
+        `logits` are queued first: the device computes them while this waits and computes the mask."""
         self._catch_up()
+        vocab_size = logits.shape[-1]
         lookahead = self._lookahead
         if self.lags and self._num_calls and self._matcher is None and lookahead is not None:
-            vocab_size = logits.shape[-1]
             # None: more could open a call than it masks at once, or a token could lead to a state
             # whose mask bans openers the grammar refuses: stepped synchronously.
             completions = lookahead.completions(self._pending, vocab_size)
             if completions is not None:
                 self._num_calls += 1
-                self._lagging, self._lagging_vocab_size = tokens[-1], vocab_size
-                # Queued now, ahead of the next step's forward pass, so the next call's read waits
-                # for this token only.
-                mx.async_eval(self._lagging)
-                return completions.masked(self._lagging, logits)
-        # The step's forward pass queued before the wait for the token just sampled: the device
-        # computes it while this thread waits and computes the mask, which only the sampling needs.
+                self._lagging, self._lagging_vocab_size = token, vocab_size
+                return completions.mask_after(token)
         mx.async_eval(logits)
-        return _masked(logits, self._next_mask(tokens, logits.shape[-1]))
+        allowed = self._next_mask(token, vocab_size)
+        return None if allowed is None else mx.array(allowed)
 
     def num_allowed(self, tokens: Sequence[int]) -> int:
         """How many of `tokens`, from the next token to be consumed on, the grammar allows: inside a
@@ -130,7 +144,7 @@ class GrammarMatcher:
         assert not self._drafted, "drafts masked twice without keep_drafts: the verify step's bug"
         mx.async_eval(logits)  # the verify's forward pass computes while the masks are
         vocab_size = logits.shape[-1]
-        allowed = self._next_mask(tokens, vocab_size)
+        allowed = self._next_mask(tokens[-1], vocab_size)
         masked = [_masked(logits[:1], allowed)]
         for position, draft in enumerate(drafts, start=1):
             if allowed is not None and not (draft < vocab_size and allowed[draft]):
@@ -153,10 +167,10 @@ class GrammarMatcher:
             self._matcher, self._pending, self.failure = matcher, pending, failure
         self._drafted.clear()
 
-    def _next_mask(self, tokens: mx.array, vocab_size: int) -> np.ndarray | None:
+    def _next_mask(self, token: mx.array, vocab_size: int) -> np.ndarray | None:
         self._catch_up()
         if self._num_calls:
-            self._consume(int(tokens[-1].item()))  # type: ignore[arg-type]
+            self._consume(int(token.item()))  # type: ignore[arg-type]
         self._num_calls += 1
         return self._allowed_now(vocab_size)
 
@@ -327,16 +341,13 @@ class Completions:
     masks: mx.array
     bans: bool  # whether the still-free row bans any token
 
-    def masked(self, token: mx.array, logits: mx.array) -> mx.array:
-        """`logits` masked as after `token`, chosen on the device: `token` is never waited for."""
+    def mask_after(self, token: mx.array) -> mx.array | None:
+        """The mask (vocab,) after `token`, chosen on the device (`token` is never waited for); None
+        where nothing is banned whatever `token` is."""
         if self.token_ids.size == 0:
-            return (
-                mx.where(self.masks[0], logits, mx.array(-np.inf, dtype=logits.dtype))
-                if self.bans
-                else logits
-            )
+            return self.masks[0] if self.bans else None
         row = mx.argmax(mx.concatenate([self.token_ids == token, mx.array([True])]))
-        return mx.where(self.masks[row], logits, mx.array(-np.inf, dtype=logits.dtype))
+        return self.masks[row]
 
 
 @dataclass(slots=True)
@@ -433,6 +444,17 @@ class TriggerLookahead:
         masks.append(free)
         bans = not bool(free.all())
         return Completions(mx.array(token_ids, dtype=mx.int32), mx.array(np.stack(masks)), bans)
+
+
+def masked_rows(logits: mx.array, allowed: Sequence[mx.array | None]) -> mx.array:
+    """`logits` (rows, vocab) with each row's banned tokens at -inf: `allowed` holds a mask (vocab,)
+    a row, or None where anything goes. One op for the rows, whatever their number."""
+    if all(mask is None for mask in allowed):
+        return logits
+    vocab_size = logits.shape[-1]
+    rows = [mx.ones(vocab_size, dtype=mx.bool_) if mask is None else mask for mask in allowed]
+    stacked = rows[0] if len(rows) == 1 else mx.stack(rows)
+    return mx.where(stacked, logits, mx.array(-np.inf, dtype=logits.dtype))
 
 
 def _masked(logits: mx.array, allowed: np.ndarray | None) -> mx.array:

@@ -31,7 +31,11 @@ the load with a SeamError naming the assumption. The pieces (all against mlx-lm 
   decode rows and a prompt chunk in one forward pass on the CPU, which reads the weights once.
 - `mixed_step`: the packed pass, handing mlx-lm's model layers a cache object of ours
   (`PackedLayerCache`). Why: what makes the mixing generator's one pass possible; probed at load.
-- `speculative_batch`: `SpeculativeGenerationBatch` subclasses `GenerationBatch`, overriding `next`
+- `guided_batch`: `GuidedGenerationBatch` subclasses `GenerationBatch`, overriding `_step` to hand
+  mlx-lm's step a model whose logits its rows' grammars masked (checked: what `_step` calls and when
+  it runs processors). Why: mlx-lm's per-row processor path slices, buffers and concatenates every
+  row each step once any row has a grammar; here the masks are one op.
+- `speculative_batch`: `SpeculativeGenerationBatch` subclasses the guided batch, overriding `next`
   (reads `_next_tokens`, `_next_logprobs`, `_num_tokens`, `_matchers`, `_token_context`) and moves
   rows inside BatchKVCache's arrays (`realign`). Why: drafts verified in the decode batch's pass.
 - `model_hooks`: replaces the module globals `scaled_dot_product_attention`, `swiglu` and

@@ -15,6 +15,7 @@ from loguru import logger
 from semantic.engine.cache_store.cache_spec import UnsupportedModelError
 from semantic.engine.mlx_adapter.api import MLX_LM_VERSION, BatchGenerator
 from semantic.engine.mlx_adapter.generator_seams import check_generator, check_responses
+from semantic.engine.mlx_adapter.guided_batch import check_guided_batch
 from semantic.engine.mlx_adapter.kv_seams import check_kv_seams
 from semantic.engine.mlx_adapter.model_hooks import check_model_hooks
 from semantic.engine.mlx_adapter.seam_check import WRITTEN_FOR
@@ -52,6 +53,7 @@ def check_seams(model: Any = None) -> None:
     check_kv_seams()
     check_tokenizer_seams()
     check_speculative_batch()
+    check_guided_batch()
 
 
 # Model families whose mlx-lm code cannot run in a batch (mlx-lm's own BatchGenerator fails the same

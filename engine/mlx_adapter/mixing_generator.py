@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
 
+from semantic.engine.mlx_adapter.guided_batch import guided
 from semantic.engine.mlx_adapter.last_token_fold import (
     FoldingBatchGenerator,
     GivenLogits,
@@ -63,10 +64,10 @@ class GeneratorFactory:
             )
         else:
             generator = make_batch_generator(self._model, self.head, joining_cache=joining, **self._options)
-        if self._speculation is not None:
-            self._speculation.clear()  # a new generator: the old one's sequences are gone
-            generator = speculative(generator, self._speculation)
-        return generator
+        if self._speculation is None:
+            return guided(generator)
+        self._speculation.clear()  # a new generator: the old one's sequences are gone
+        return speculative(generator, self._speculation)
 
 
 class MixingBatchGenerator(FoldingBatchGenerator):

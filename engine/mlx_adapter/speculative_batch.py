@@ -32,6 +32,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 
+from semantic.engine.mlx_adapter.guided_batch import GuidedGenerationBatch
 from semantic.engine.mlx_adapter.kv_seams import PLAIN_BATCH_CACHES
 from semantic.engine.mlx_adapter.last_token_fold import GivenLogits
 from semantic.engine.mlx_adapter.seam_check import require
@@ -46,7 +47,7 @@ def _floats(array: mx.array) -> list[float]:
     return [float(v) for v in array.tolist()]  # type: ignore[union-attr, arg-type]
 
 
-class SpeculativeGenerationBatch(GenerationBatch):
+class SpeculativeGenerationBatch(GuidedGenerationBatch):
     speculation: Speculation | None = None  # set by the engine's batch; None: mlx-lm's steps only
     _last_step: tuple[int, int, float] | None = None  # rows, width and start of the step being timed
 
