@@ -4,17 +4,22 @@ disk tier, and a replaced policy taking effect in the disk budget and the store'
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from types import SimpleNamespace
+from typing import TypeVar, cast
 
 import mlx.core as mx
+import pytest
 from mlx_lm.models.cache import KVCache
 
 from semantic.engine.cache_store.agent_cache import AgentCacheStore
 from semantic.engine.cache_store.block_pool import BlockPool
 from semantic.engine.cache_store.cache_matching import ANONYMOUS_PREFIX
 from semantic.engine.cache_store.cache_spec import LayerKind, ModelCacheSpec
+from semantic.engine.cache_store.cache_tensors import from_tensors, to_tensors
 from semantic.engine.cache_store.eviction import LRU, EvictionPolicy
-from semantic.engine.scheduling.scheduler import make_room, pool_summary
+from semantic.engine.loop.errors import PoolExhaustedError
+from semantic.engine.loop.served_model import ServedModel
+from semantic.engine.scheduling.scheduler import Scheduler, make_room, pool_summary
 from semantic.engine.scheduling.tick_schedule import Evict, plan_room
 from semantic.storage.agent_id import AgentId
 from semantic.storage.disk_budget import DiskBudget
@@ -135,11 +140,36 @@ def test_the_planned_room_is_the_room_the_pool_has_after_the_evictions() -> None
     for wanted, victims, num_free in (
         (3, ["first"], 3),
         (4, ["first", "second"], 6),
-        (7, ["first", "second"], 6),
+        (6, ["first", "second"], 6),
     ):
         store = _three_agents()
         actions = plan_room(pool_summary(store), wanted, frozenset({"third"}))
+        assert actions is not None
         assert [a.agent_id for a in actions if isinstance(a, Evict)] == victims
         for action in actions:
             make_room(store, action)
         assert store.pool.num_free_blocks == num_free
+
+
+def test_a_restore_evicts_nothing_where_the_idle_caches_blocks_are_still_shared() -> None:
+    """ "first" is the one idle cache, but "second", running, shares two of its three blocks: evicting
+    it frees one. A cache read from disk that needs more than that (free blocks included) is
+    refused with nothing evicted; one that needs no more evicts "first" and is restored."""
+    writer = _store(LRU, num_blocks=16)
+    for num_blocks in (4, 3):
+        store = _three_agents()
+        store.pin("second")
+        store.pin("third")
+        assert [a.agent_id for a in store.evictable()] == ["first"]
+        tokens = list(range(3000, 3000 + num_blocks * BLOCK - 5))
+        _file(writer, "returning", tokens, used_at=4.0)
+        cache = to_tensors(writer.snapshot("returning"))  # as read from its file
+        served = cast(ServedModel, SimpleNamespace(store=store, pool=store.pool))
+        if num_blocks > store.pool.num_free_blocks + 1:
+            with pytest.raises(PoolExhaustedError):
+                Scheduler().make_room_to_restore(served, cache, None)
+            assert "first" in store.agents and store.pool.num_free_blocks == 2
+        else:
+            Scheduler().make_room_to_restore(served, cache, None)
+            store.restore(from_tensors(cache, store.spec))
+            assert "first" not in store.agents and store.agents["returning"].token_ids == tokens

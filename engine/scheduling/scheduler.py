@@ -136,17 +136,19 @@ class Scheduler:
 
     def make_room_to_restore(self, served: ServedModel, cache: SerializedCache, salt: str | None) -> None:
         """Evict idle caches (not those the policy spares for queued requests) for a cache read from
-        disk, or raise PoolExhaustedError, evicting nothing, where even all of them would not make room."""
-        store, pool = served.store, served.pool
+        disk, or raise PoolExhaustedError, evicting nothing, where even all of them would not make room
+        (their blocks that running sequences or spared caches share stay held)."""
+        store = served.store
         token_ids = [int(t) for t in cache.tensors["tokens"]]
         num_new = store.num_blocks_to_restore(token_ids, len(cache.state_points), cache.kv_starts, salt)
         spared = store.policy.spared_for_restore(self.queued_agent_ids)
-        evictable = {b for a in store.evictable() if a.agent_id not in spared for b in a.block_ids}
-        if pool.num_free_blocks + len(evictable) < num_new:
+        actions = plan_room(pool_summary(store), num_new, spared, store.policy)
+        if actions is None:
             raise PoolExhaustedError(
-                f"{num_new} blocks needed, {pool.num_free_blocks} free, {len(evictable)} in idle caches"
+                f"{num_new} blocks needed, {served.pool.num_free_blocks} free, and evicting every idle "
+                "cache that may be evicted would not free enough"
             )
-        for action in plan_room(pool_summary(store), num_new, spared, store.policy):
+        for action in actions:
             make_room(store, action)
 
     @property

@@ -224,12 +224,12 @@ def schedule_tick(
 
 def plan_room(
     pool: PoolSummary, num_blocks: int, spared: frozenset[str], policy: EvictionPolicy = LRU
-) -> list[Action]:
-    """The evictions (and shared states dropped) that free `num_blocks`, sparing `spared`; as many
-    as there are where that is not enough (a cache read from disk makes room with this)."""
+) -> list[Action] | None:
+    """The evictions (and shared states dropped) that free `num_blocks`, sparing `spared`; None
+    where even all of them would not (a cache read from disk makes room with this). Blocks another
+    cache still holds free nothing."""
     actions: list[Action] = []
-    PoolView(pool, policy).make_room(num_blocks, spared, actions)
-    return actions
+    return actions if PoolView(pool, policy).make_room(num_blocks, spared, actions) else None
 
 
 class _Queue:
