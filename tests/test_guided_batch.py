@@ -101,9 +101,9 @@ def test_the_guided_batch_decodes_what_the_per_row_path_decodes(
 ) -> None:
     expected = decode(tiny_llama_dir, rows, temperature, seed, batched=False)
     got = decode(tiny_llama_dir, rows, temperature, seed, batched=True)
-    for uid, (tokens, logprobs) in expected.items():
-        assert got[uid][0] == tokens, f"row {uid} ({rows[uid][0]}) decoded other tokens"
-        assert all(np.array_equal(a, b) for a, b in zip(got[uid][1], logprobs, strict=True))
+    for row, (tokens, logprobs) in expected.items():
+        assert got[row][0] == tokens, f"row {row} ({rows[row][0]}) decoded other tokens"
+        assert all(np.array_equal(a, b) for a, b in zip(got[row][1], logprobs, strict=True))
 
 
 def test_the_guided_step_masks_in_one_op_and_other_processors_keep_the_per_row_path(
@@ -135,6 +135,7 @@ def test_the_guided_step_masks_in_one_op_and_other_processors_keep_the_per_row_p
     penalised = [*rows, ("lagging", 0, 20, True)]
     got = decode(tiny_llama_dir, penalised, 0.0, 0, batched=True)
     assert not steps, "a penalty row's batch took the guided step"
-    assert got.keys() == decode(tiny_llama_dir, penalised, 0.0, 0, batched=False).keys()
-    for uid, (tokens, _) in decode(tiny_llama_dir, penalised, 0.0, 0, batched=False).items():
-        assert got[uid][0] == tokens
+    expected = decode(tiny_llama_dir, penalised, 0.0, 0, batched=False)
+    assert got.keys() == expected.keys()
+    for row, (tokens, _) in expected.items():
+        assert got[row][0] == tokens

@@ -125,7 +125,7 @@ class GrammarMatcher:
                 return completions.mask_after(token)
         mx.async_eval(logits)
         allowed = self._next_mask(token, vocab_size)
-        return None if allowed is None else mx.array(allowed)
+        return _on_device(allowed)
 
     def num_allowed(self, tokens: Sequence[int]) -> int:
         """How many of `tokens`, from the next token to be consumed on, the grammar allows: inside a
@@ -145,13 +145,13 @@ class GrammarMatcher:
         mx.async_eval(logits)  # the verify's forward pass computes while the masks are
         vocab_size = logits.shape[-1]
         allowed = self._next_mask(tokens[-1], vocab_size)
-        masked = [_masked(logits[:1], allowed)]
+        masked = [masked_rows(logits[:1], [_on_device(allowed)])]
         for position, draft in enumerate(drafts, start=1):
             if allowed is not None and not (draft < vocab_size and allowed[draft]):
                 break
             self._drafted.append((self._matcher, self._pending, self.failure, self._consume(draft)))
             allowed = self._allowed_now(vocab_size)
-            masked.append(_masked(logits[position : position + 1], allowed))
+            masked.append(masked_rows(logits[position : position + 1], [_on_device(allowed)]))
         num_allowed = len(masked) - 1
         return mx.concatenate([*masked, logits[num_allowed + 1 :]]), num_allowed
 
@@ -457,10 +457,8 @@ def masked_rows(logits: mx.array, allowed: Sequence[mx.array | None]) -> mx.arra
     return mx.where(stacked, logits, mx.array(-np.inf, dtype=logits.dtype))
 
 
-def _masked(logits: mx.array, allowed: np.ndarray | None) -> mx.array:
-    if allowed is None:
-        return logits
-    return mx.where(mx.array(allowed), logits, mx.array(-np.inf, dtype=logits.dtype))
+def _on_device(allowed: np.ndarray | None) -> mx.array | None:
+    return None if allowed is None else mx.array(allowed)
 
 
 def token_mask(matcher: LLMatcher, vocab_size: int) -> np.ndarray:
